@@ -1,2 +1,122 @@
-def main():
-    print("genrec")
+"""The `genrec` command line: parse, build, run, close. The work lives in the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+BENCHES = ("data", "sparse", "dense", "train", "serve")
+
+
+def _add_config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--config", required=required, help="run file, e.g. configs/demo.toml")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable), e.g. --set train.max_steps=100",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="genrec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("synth", help="write a synthetic ad event log (parquet part-files)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--users", type=int, default=10_000)
+    p.add_argument("--items", type=int, default=20_000)
+    p.add_argument("--events", type=int, default=1_000_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+
+    p = sub.add_parser("convert", help="convert a public dataset into the event-log schema")
+    p.add_argument("--from", dest="source", required=True, choices=["movielens", "sasrec-txt", "s3rec-txt", "criteo"])
+    p.add_argument("--input", dest="inputs", nargs="+", required=True)
+    p.add_argument("--out", required=True)
+
+    p = sub.add_parser("prepare", help="event logs -> per-user sequences with a split")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--logs", help="parquet event logs: a directory, file or glob")
+    src.add_argument("--from", dest="source", choices=["movielens", "sasrec-txt", "s3rec-txt", "criteo"],
+                     help="convert a public dataset first (with --input)")
+    p.add_argument("--input", dest="inputs", nargs="+", help="files for --from")
+    p.add_argument("--out", required=True)
+    _add_config_args(p)
+
+    p = sub.add_parser("train", help="train a model (torchrun for several ranks)")
+    _add_config_args(p, required=True)
+    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint (required to exist)")
+
+    p = sub.add_parser("export", help="checkpoint -> serving artifact")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", choices=["fp32", "fp16", "int8"], default="fp32")
+
+    p = sub.add_parser("eval", help="offline evaluation report")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory or exported artifact")
+    p.add_argument("--data", required=True, help="prepared data directory")
+    p.add_argument("--split", default="test", choices=["valid", "test"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--compare", help="a second checkpoint for a paired comparison")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("serve", help="HTTP ranking server")
+    p.add_argument("--artifact", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+
+    p = sub.add_parser("bench", help="benchmarks; prints and writes a JSON of figures and ratios")
+    p.add_argument("name", choices=BENCHES)
+    p.add_argument("--json", dest="json_out", help="write the figures here")
+    p.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+
+    p = sub.add_parser("demo", help="synthesize -> prepare -> train -> export -> eval -> one query")
+    p.add_argument("--out", default="demo")
+    p.add_argument("--overwrite", action="store_true")
+    return parser
+
+
+def _not_implemented(name: str) -> int:
+    print(f"genrec {name}: not implemented yet", file=sys.stderr)
+    return 2
+
+
+def _write_json(obj: dict, path: str | None) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=True)
+    print(text)
+    if path:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(out)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from genrec.scripts import commands
+
+    handler = getattr(commands, args.command.replace("-", "_"), None)
+    if handler is None:
+        return _not_implemented(args.command)
+    if args.command == "bench":
+        result = handler(args)
+        if result is None:
+            return _not_implemented(f"bench {args.name}")
+        _write_json(result, args.json_out)
+        return 0
+    return handler(args) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run_command(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        # User-input errors: one clear line, non-zero exit, no traceback.
+        print(f"genrec {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

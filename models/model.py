@@ -1,0 +1,270 @@
+"""The generative recommender: per-event tokens from sparse features -> sequence tower -> heads.
+
+Knows nothing about parallelism: the embedding module and the tower are built
+(and sharded / wrapped) elsewhere and handed in.
+
+Worked example (feature spec sparse = ["item_id", "action", "category_id"], sum combine):
+
+    history of user 7: items [11, 12, 13], actions [1, 0, 1], categories [4, 4, 9]
+    token_t = E_item[item_t] + E_action[action_t] + E_category[category_t]      [3, D]
+    states  = tower(tokens, offsets=[0, 3], timestamps)                          [3, D]
+    retrieval: states[0] predicts item 12, states[1] predicts item 13 (sampled softmax
+               against uniformly drawn negatives from the item corpus)
+    ranking:   candidates [31, 32] get tokens without the action feature (unknown when
+               serving), are appended after the history under the target-aware mask,
+               and each candidate state goes through one MLP per task (click, conversion).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from genrec.data.batch import Batch
+from genrec.data.config import FeatureSpec
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    token_combine: Literal["sum", "concat"] = "sum"
+    """How an event's feature embeddings become one token: a sum (all tables must have the
+    tower's dimension) or a concatenation followed by a linear projection."""
+    retrieval: bool = True
+    """Train the retrieval head (next-item sampled softmax at every position)."""
+    ranking: bool = False
+    """Train the ranking head (candidates after the history, one BCE per task)."""
+    retrieval_weight: float = 1.0
+    """Weight of the retrieval loss when both heads train."""
+    num_negatives: int = 128
+    """Uniformly sampled negative items per batch, shared by every position."""
+    in_batch_negatives: bool = False
+    """Also use the batch's other target items as negatives."""
+    temperature: float = 0.05
+    """Softmax temperature over cosine similarities."""
+    min_target_action: int | None = None
+    """Only positions whose next event has action >= this are retrieval targets (e.g. 1:
+    predict clicked ads, not mere impressions). None: every next event is a target."""
+    ranking_tasks: list[str] = field(default_factory=lambda: ["click", "conversion"])
+    """Label columns predicted by the ranking head (a subset of `data.features.labels`)."""
+    task_weights: list[float] = field(default_factory=lambda: [1.0, 1.0])
+    """Loss weight per ranking task."""
+    ranking_hidden_dim: int = 64
+    """Hidden width of each task's MLP."""
+
+
+def _normalize(x: torch.Tensor) -> torch.Tensor:
+    return F.normalize(x.float(), dim=-1, eps=1e-6)
+
+
+def interleave_jagged(
+    a_TD: torch.Tensor, a_lengths_B: torch.Tensor, b_TD: torch.Tensor, b_lengths_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row-wise concatenation of two jagged tensors: row i = a_i followed by b_i.
+
+    Returns (values, offsets_B1, b_positions): where b's rows landed in the result.
+    """
+    lengths_B = a_lengths_B + b_lengths_B
+    offsets_B1 = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths_B)
+    a_offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(a_lengths_B)
+    b_offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(b_lengths_B)
+    a_row = torch.repeat_interleave(torch.arange(len(a_lengths_B)), a_lengths_B)
+    b_row = torch.repeat_interleave(torch.arange(len(b_lengths_B)), b_lengths_B)
+    a_pos = offsets_B1[a_row] + torch.arange(a_TD.shape[0]) - a_offsets[a_row]
+    b_pos = offsets_B1[b_row] + a_lengths_B[b_row] + torch.arange(b_TD.shape[0]) - b_offsets[b_row]
+    out = a_TD.new_empty((a_TD.shape[0] + b_TD.shape[0],) + tuple(a_TD.shape[1:]))
+    out[a_pos] = a_TD
+    out[b_pos] = b_TD
+    return out, offsets_B1, b_pos
+
+
+class GenerativeRecommender(nn.Module):
+    """Tokens from the embedding module, the tower, and the retrieval / ranking heads.
+
+    `embeddings` follows TorchRec's contract: `forward(kjt) -> dict[feature, JaggedTensor]`
+    (the tiered store, or a TorchRec `EmbeddingCollection`). `feature_dims` gives each
+    feature's embedding dimension; the tower maps `[T, D] -> [T, D]` over jagged rows.
+    """
+
+    def __init__(
+        self,
+        *,
+        features: FeatureSpec,
+        cfg: ModelConfig,
+        embeddings: nn.Module,
+        feature_dims: dict[str, int],
+        tower: nn.Module,
+        dim: int,
+    ) -> None:
+        super().__init__()
+        missing = [f for f in features.sparse if f not in feature_dims]
+        if missing:
+            raise ValueError(f"data.features.sparse names {missing}, which no sparse table serves")
+        if features.item not in features.sparse:
+            raise ValueError(f"data.features.item {features.item!r} must be one of data.features.sparse")
+        if feature_dims[features.item] != dim:
+            raise ValueError(
+                f"the item table's dimension ({feature_dims[features.item]}) must equal dense.embedding_dim "
+                f"({dim}): the retrieval head scores tower states against item rows"
+            )
+        unknown_tasks = [t for t in cfg.ranking_tasks if t not in features.labels]
+        if cfg.ranking and unknown_tasks:
+            raise ValueError(f"model.ranking_tasks {unknown_tasks} are not in data.features.labels {features.labels}")
+        if cfg.ranking and len(cfg.task_weights) != len(cfg.ranking_tasks):
+            raise ValueError("model.task_weights needs one weight per model.ranking_tasks entry")
+        if not (cfg.retrieval or cfg.ranking):
+            raise ValueError("model: enable at least one of retrieval, ranking")
+        self.features = features
+        self.cfg = cfg
+        self.embeddings = embeddings
+        self.tower = tower
+        self.dim = dim
+        # Candidates carry every feature but the action: it is what we predict.
+        self.candidate_features = [f for f in features.sparse if f != features.action]
+        self.project = None
+        if cfg.token_combine == "concat":
+            self.project = nn.ModuleDict({
+                "history": nn.Linear(sum(feature_dims[f] for f in features.sparse), dim),
+                "candidates": nn.Linear(sum(feature_dims[f] for f in self.candidate_features), dim),
+            })
+        else:
+            wrong = {f: d for f, d in feature_dims.items() if f in features.sparse and d != dim}
+            if wrong:
+                raise ValueError(f"model.token_combine = 'sum' needs every table at dim {dim}; got {wrong}")
+        self.label_index = [features.labels.index(t) for t in cfg.ranking_tasks] if cfg.ranking else []
+        self.task_heads = None
+        if cfg.ranking:
+            self.task_heads = nn.Sequential(
+                nn.Linear(dim, cfg.ranking_hidden_dim), nn.SiLU(), nn.Linear(cfg.ranking_hidden_dim, len(cfg.ranking_tasks))
+            )
+        self.register_buffer("item_corpus", torch.zeros(0, dtype=torch.int64), persistent=False)
+
+    def set_item_corpus(self, item_ids: torch.Tensor) -> None:
+        """The ids negatives are drawn from (the prepared data's item list)."""
+        self.item_corpus = item_ids.to(torch.int64)
+
+    # ---- tokens -------------------------------------------------------------------------
+
+    def _tokens(self, kjt: KeyedJaggedTensor, keys: list[str], which: str) -> torch.Tensor:
+        embedded = self.embeddings(kjt)
+        parts = [embedded[k].values() for k in keys]
+        if self.project is None:
+            return torch.stack(parts).sum(0)
+        return self.project[which](torch.cat(parts, dim=-1))
+
+    def _candidate_kjt(self, candidates: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor.from_jt_dict({k: candidates[k] for k in self.candidate_features})
+
+    def item_rows(self, item_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of `item_ids` from the item feature's table: [N, D]."""
+        kjt = KeyedJaggedTensor(
+            keys=[self.features.item], values=item_ids,
+            lengths=torch.ones_like(item_ids, dtype=torch.int32) if item_ids.numel() else torch.zeros(0, dtype=torch.int32),
+        )
+        return self.embeddings(kjt)[self.features.item].values()
+
+    def encode(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """History states [T, D] (causal), and candidate states [C, D] when candidates exist."""
+        tokens_TD = self._tokens(batch.history, self.features.sparse, "history")
+        lengths_B = batch.history_lengths_B
+        if batch.candidates is None:
+            states = self.tower(tokens_TD, batch.history_offsets_B1, batch.timestamps_T)
+            return states, None
+        cand_TD = self._tokens(self._candidate_kjt(batch.candidates), self.candidate_features, "candidates")
+        cand_lengths_B = batch.candidates.lengths().view(len(batch.candidates.keys()), -1)[0].long()
+        values, offsets_B1, cand_pos = interleave_jagged(tokens_TD, lengths_B, cand_TD, cand_lengths_B)
+        ts, _, _ = interleave_jagged(
+            batch.timestamps_T.unsqueeze(-1), lengths_B, batch.candidate_timestamps_C.unsqueeze(-1), cand_lengths_B
+        )
+        states = self.tower(values, offsets_B1, ts.squeeze(-1), num_targets_B=cand_lengths_B)
+        hist_mask = torch.ones(states.shape[0], dtype=torch.bool)
+        hist_mask[cand_pos] = False
+        return states[hist_mask], states[cand_pos]
+
+    # ---- heads --------------------------------------------------------------------------
+
+    def retrieval_loss(self, batch: Batch, states_TD: torch.Tensor) -> torch.Tensor:
+        item_ids_T = batch.history[self.features.item].values()
+        lengths_B = batch.history_lengths_B
+        offsets_B1 = batch.history_offsets_B1
+        # Position t predicts position t + 1 of the same row: every position but each row's last.
+        is_last = torch.zeros(item_ids_T.shape[0], dtype=torch.bool)
+        is_last[offsets_B1[1:][lengths_B > 0] - 1] = True
+        src = torch.nonzero(~is_last).squeeze(-1)
+        tgt = src + 1
+        if self.cfg.min_target_action is not None:
+            actions = batch.history[self.features.action].values()
+            keep = actions[tgt] >= self.cfg.min_target_action
+            src, tgt = src[keep], tgt[keep]
+        if src.numel() == 0:
+            return states_TD.sum() * 0.0
+        query = _normalize(states_TD[src])
+        target_ids = item_ids_T[tgt]
+        positive = _normalize(self.item_rows(target_ids))
+        if self.item_corpus.numel() == 0:
+            raise ValueError("retrieval needs the item corpus: call set_item_corpus() with the prepared item ids")
+        neg_ids = self.item_corpus[torch.randint(len(self.item_corpus), (self.cfg.num_negatives,))]
+        if self.cfg.in_batch_negatives:
+            neg_ids = torch.cat([neg_ids, target_ids])
+        negative = _normalize(self.item_rows(neg_ids))
+        pos_logit = (query * positive).sum(-1, keepdim=True)
+        neg_logits = query @ negative.T
+        # An accidental hit (a negative that is the target itself) is not a negative.
+        neg_logits = neg_logits.masked_fill(neg_ids.unsqueeze(0) == target_ids.unsqueeze(1), float("-inf"))
+        logits = torch.cat([pos_logit, neg_logits], dim=1) / self.cfg.temperature
+        return F.cross_entropy(logits, torch.zeros(len(src), dtype=torch.long))
+
+    def ranking_logits(self, cand_states_CD: torch.Tensor) -> torch.Tensor:
+        return self.task_heads(cand_states_CD).float()
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Training loss and its parts."""
+        use_candidates = self.cfg.ranking and batch.candidates is not None
+        states, cand_states = self.encode(batch if use_candidates else _without_candidates(batch))
+        loss = states.new_zeros((), dtype=torch.float32)
+        parts: dict[str, float] = {}
+        if self.cfg.retrieval:
+            r = self.retrieval_loss(batch, states)
+            loss = loss + self.cfg.retrieval_weight * r
+            parts["retrieval_loss"] = float(r.detach())
+        if use_candidates:
+            logits = self.ranking_logits(cand_states)
+            labels = batch.labels_CL[:, self.label_index].float()
+            for i, task in enumerate(self.cfg.ranking_tasks):
+                bce = F.binary_cross_entropy_with_logits(logits[:, i], labels[:, i])
+                loss = loss + self.cfg.task_weights[i] * bce
+                parts[f"{task}_loss"] = float(bce.detach())
+        return loss, parts
+
+    # ---- scoring (evaluation and serving) ------------------------------------------------
+
+    @torch.no_grad()
+    def user_embeddings(self, batch: Batch) -> torch.Tensor:
+        """Normalized state of each user's last history event: [B, D]."""
+        states, _ = self.encode(_without_candidates(batch))
+        last = batch.history_offsets_B1[1:] - 1
+        return _normalize(states[last])
+
+    @torch.no_grad()
+    def item_embeddings(self, item_ids: torch.Tensor, block: int = 65536) -> torch.Tensor:
+        """Normalized item rows for retrieval, in blocks: [N, D]."""
+        return torch.cat([_normalize(self.item_rows(item_ids[i : i + block])) for i in range(0, len(item_ids), block)])
+
+    @torch.no_grad()
+    def rank_probabilities(self, batch: Batch) -> torch.Tensor:
+        """Per-candidate, per-task probabilities [C, num_tasks]."""
+        _, cand_states = self.encode(batch)
+        return torch.sigmoid(self.ranking_logits(cand_states))
+
+
+def _without_candidates(batch: Batch) -> Batch:
+    if batch.candidates is None:
+        return batch
+    return Batch(
+        user_ids_B=batch.user_ids_B, history=batch.history, timestamps_T=batch.timestamps_T,
+        history_lengths_B=batch.history_lengths_B, targets_B=batch.targets_B,
+    )

@@ -1,0 +1,76 @@
+"""One function per `genrec` subcommand. Each parses nothing (the CLI did) and calls the library.
+
+A handler returns an exit code (None means 0); `bench` handlers return the figures dict.
+Imports are local so `genrec --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+
+def synth(args: argparse.Namespace) -> int:
+    from genrec.data.synth import synthesize
+
+    summary = synthesize(
+        args.out, num_users=args.users, num_items=args.items, num_events=args.events,
+        seed=args.seed, overwrite=args.overwrite,
+    )
+    print(f"wrote {summary['num_events']:,} events for {summary['num_users']:,} users to {args.out}")
+    return 0
+
+
+def convert(args: argparse.Namespace) -> int:
+    from genrec.data.convert import convert as convert_dataset
+
+    summary = convert_dataset(args.source, args.inputs, args.out)
+    print(f"wrote {summary['num_events']:,} events ({summary['num_users']:,} users) to {args.out}")
+    return 0
+
+
+def prepare(args: argparse.Namespace) -> int:
+    from genrec.data.prepare import prepare as prepare_sequences
+    from genrec.models.config import JobConfig
+    from genrec.models.config_loader import load_config
+
+    cfg = load_config(JobConfig, args.config, args.overrides)
+    logs = args.logs
+    if args.source is not None:
+        from genrec.data.convert import convert as convert_dataset
+
+        if not args.inputs:
+            raise ValueError("--from needs --input FILE [FILE ...]")
+        logs = f"{args.out}.logs"
+        convert_dataset(args.source, args.inputs, logs)
+    manifest = prepare_sequences(logs, args.out, cfg.data.features, cfg.data.split)
+    counts = manifest["counts"]
+    print(f"prepared {args.out}: " + ", ".join(f"{k}={v:,}" for k, v in counts.items() if isinstance(v, int)))
+    return 0
+
+
+def train(args: argparse.Namespace) -> int:
+    from genrec.models.config import JobConfig
+    from genrec.models.config_loader import load_config
+    from genrec.models.trainer import run_training
+
+    cfg = load_config(JobConfig, args.config, args.overrides)
+    run_training(cfg, resume=args.resume)
+    return 0
+
+
+def bench(args: argparse.Namespace) -> dict | None:
+    module = {
+        "data": "genrec.data.bench",
+        "sparse": "genrec.sparse.bench",
+        "dense": "genrec.dense.bench",
+        "train": "genrec.models.bench_train",
+        "serve": "genrec.models.bench_serve",
+    }[args.name]
+    try:
+        run = importlib.import_module(module).run
+    except ModuleNotFoundError as e:
+        if e.name == module:
+            return None
+        raise
+    return run(quick=args.quick)

@@ -1,0 +1,68 @@
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+
+from genrec.models.config_loader import from_dict, load_config, to_dict
+
+
+@dataclass(kw_only=True)
+class Table:
+    name: str
+    dim: int = 8
+
+
+@dataclass(kw_only=True)
+class Section:
+    lr: float = 1e-3
+    steps: int = 10
+    kind: Literal["a", "b"] = "a"
+    cap: int | None = None
+    flag: bool = False
+    names: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class Root:
+    section: Section = field(default_factory=Section)
+    tables: list[Table] = field(default_factory=list)
+
+
+def test_toml_and_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[section]\nlr = 1\nkind = "b"\n[[tables]]\nname = "item"\ndim = 16\n')
+    cfg = load_config(Root, path, ["section.steps=5", "section.names=[\"x\", \"y\"]", "section.cap=3"])
+    assert cfg.section.lr == 1.0 and isinstance(cfg.section.lr, float)
+    assert cfg.section.kind == "b" and cfg.section.steps == 5 and cfg.section.cap == 3
+    assert cfg.section.names == ["x", "y"]
+    assert cfg.tables == [Table(name="item", dim=16)]
+    assert from_dict(Root, to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("section.stepz=5", "unknown config key 'section.stepz'"),
+        ("nope.x=1", "unknown config key 'nope'"),
+        ("section.steps=1.5", "section.steps: expected an integer"),
+        ("section.steps=true", "section.steps: expected an integer"),
+        ("section.kind=\"c\"", "section.kind: 'c' is not one of"),
+        ("section.flag=1", "section.flag: expected true/false"),
+        ("section.names=3", "section.names: expected a list"),
+        ("section", "--set expects section.key=value"),
+    ],
+)
+def test_errors_name_the_key(override, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(".", r"\.")):
+        load_config(Root, None, [override])
+
+
+def test_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(Root, tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[tables]\nname = 'x'\n")
+    with pytest.raises(ValueError, match=f"{bad}.*tables: expected a list"):
+        load_config(Root, bad)
+    with pytest.raises(ValueError, match=r"tables\[0\]"):
+        load_config(Root, None, ["tables=[{dim = 3}]"])
