@@ -1,0 +1,549 @@
+"""Out-of-core `prepare`: event logs (parquet) -> per-user, time-ordered sequences, split.
+
+Worked example (FeatureSpec sparse = ["item_id", "action"], labels = ["click"]), one user:
+
+    log rows (any order, any file):      user 7: (ts 100, item 11), (ts 160, item 12),
+                                                 (ts 200, item 13), (ts 250, item 14)
+    leave-one-out output, one row per user (list columns aligned event by event):
+        train/  user_id 7  item_id [11, 12]          ts [100, 160]            seq[:-2]
+        valid/  user_id 7  item_id [11, 12, 13]      ts [100, 160, 200]       seq[:-1], last = target
+        test/   user_id 7  item_id [11, 12, 13, 14]  ts [100, 160, 200, 250]  seq,      last = target
+    time split (train_cutoff_ts 180, valid_cutoff_ts 240):
+        train/  item_id [11, 12]            events with ts < 180
+        valid/  item_id [11, 12, 13]        events < 180, then the first event in [180, 240) = target
+        test/   item_id [11, 12, 13, 14]    events < 240, then the first event >= 240 = target
+      (without valid_cutoff_ts there is no valid/ rows and test/ = events < 180 + first event >= 180)
+
+Every output row is a prefix of its user's time-ordered sequence; in valid/ and test/ the
+last event of the row is the held-out target and everything before it is the history.
+Leave-one-out users with fewer than 3 events go to train/ whole and are counted
+(`users_train_only`); time-split evaluation rows need at least one history event
+(the rest are counted as `eval_users_without_history`). Ties in ts keep log order
+(files in sorted path order, rows in file order).
+
+Output directory:
+
+    out_dir/manifest.json
+    out_dir/items.parquet                    item_id int64, count int64 (train events), by count desc
+    out_dir/{train,valid,test}/part-NNNNN.parquet
+        user_id int64, <sparse...> list<int64>, ts list<int64>, <labels...> list<int8>
+
+Out of core: pass 1 streams each file row group by row group, hashes string ids, and
+appends fixed-width records to one spill file per hash bucket of the user key; pass 2
+loads one bucket at a time, sorts it by (user, ts) and writes the list columns. The number
+of buckets comes from the row count in the parquet footers and `memory_budget_mb`, so peak
+memory does not grow with the log (except for the distinct-item counts, 16 bytes per item,
+and a single user bigger than a bucket budget).
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from genrec.data.config import FeatureSpec
+from genrec.data.schema import hash_string_ids
+
+FORMAT_VERSION = "genrec.sequences/1"
+USER_COLUMN = "user_id"
+TS_COLUMN = "ts"
+SPLITS = ("train", "valid", "test")
+
+# Rows per pass-1 record batch: large enough to amortize the per-batch bucket partition,
+# small enough (~10 MB of records) to be noise next to the memory budget.
+_PASS1_BATCH_ROWS = 1 << 17
+# Pass 2 holds a bucket's records roughly this many times over (loaded, sorted copy,
+# split masks / gathered values, arrow list arrays) plus 16 bytes of sort index per row.
+_PASS2_COPIES = 4
+_MAX_BUCKETS = 4096
+
+
+@dataclass(kw_only=True)
+class SplitConfig:
+    """How events are split into train / valid / test rows."""
+
+    kind: Literal["leave_one_out", "time"] = "leave_one_out"
+    """leave_one_out: last event test, second-last valid, rest train (per user).
+    time: train on events before `train_cutoff_ts`, evaluate on the first event after."""
+    train_cutoff_ts: int | None = None
+    """time split: train/ holds events with ts < this (required for kind = time)."""
+    valid_cutoff_ts: int | None = None
+    """time split: end of the validation window; valid/ targets lie in
+    [train_cutoff_ts, valid_cutoff_ts), test/ targets at or after it. None: no valid/ rows,
+    test/ targets are the first event at or after train_cutoff_ts."""
+    min_user_events: int = 1
+    """Users with fewer events in the whole log are dropped (and counted)."""
+
+    def validate(self) -> None:
+        if self.min_user_events < 1:
+            raise ValueError(f"split.min_user_events must be >= 1, got {self.min_user_events}")
+        if self.kind == "leave_one_out":
+            if self.train_cutoff_ts is not None or self.valid_cutoff_ts is not None:
+                raise ValueError("split.train_cutoff_ts / valid_cutoff_ts only apply to kind = 'time'")
+        elif self.kind == "time":
+            if self.train_cutoff_ts is None:
+                raise ValueError("split.kind = 'time' needs split.train_cutoff_ts")
+            if self.valid_cutoff_ts is not None and self.valid_cutoff_ts <= self.train_cutoff_ts:
+                raise ValueError(
+                    f"split.valid_cutoff_ts ({self.valid_cutoff_ts}) must be after "
+                    f"split.train_cutoff_ts ({self.train_cutoff_ts}): cutoffs must increase"
+                )
+        else:
+            raise ValueError(f"split.kind must be 'leave_one_out' or 'time', got {self.kind!r}")
+
+
+@dataclass(kw_only=True)
+class PrepareConfig:
+    """Settings of `prepare` (the CLI passes them through as keyword arguments)."""
+
+    split: SplitConfig = field(default_factory=SplitConfig)
+    """Train / valid / test split."""
+    memory_budget_mb: int = 1024
+    """Target peak memory of the sort pass; sets the number of spill buckets."""
+    num_shards: int = 4
+    """Parquet files per split (readers shard by row group, so this is not a rank count)."""
+    row_group_users: int = 1024
+    """Users per output row group: the loader's unit of work and of shuffling."""
+
+
+def prepare(
+    log_paths_or_glob: str | os.PathLike | list[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    features: FeatureSpec,
+    split: SplitConfig,
+    *,
+    memory_budget_mb: int = 1024,
+    num_shards: int = 4,
+    row_group_users: int = 1024,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Prepare event logs into split sequence shards under `out_dir`; returns the manifest.
+
+    `log_paths_or_glob`: a file, a directory (its *.parquet), a glob, or a list of those.
+    Bad input raises ValueError naming the file (and column / row group) before anything
+    is written to `out_dir`; the output appears atomically (temp dir + rename) or not at all.
+    """
+    split.validate()
+    _validate_features(features)
+    if memory_budget_mb < 64:
+        raise ValueError(f"memory_budget_mb must be >= 64, got {memory_budget_mb}")
+    if num_shards < 1 or row_group_users < 1:
+        raise ValueError(f"num_shards and row_group_users must be >= 1, got {num_shards}, {row_group_users}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise ValueError(f"{out_dir}: output directory exists (pass overwrite=True to replace it)")
+
+    paths = _resolve_paths(log_paths_or_glob)
+    logs = [_open_log(p, features) for p in paths]
+    _check_consistent_types(logs, features)
+    total_rows = sum(log.num_rows for log in logs)
+
+    columns = _spill_columns(features)
+    rec_dtype = _record_dtype(features)
+    bytes_per_row = _PASS2_COPIES * rec_dtype.itemsize + 16
+    budget = memory_budget_mb * (1 << 20) // 2  # the other half: interpreter, arrow pools, items
+    num_buckets = int(min(_MAX_BUCKETS, max(num_shards, -(-total_rows * bytes_per_row // budget))))
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp_dir.mkdir()
+        spill_dir = tmp_dir / "_spill"
+        spill_dir.mkdir()
+        _pass1_spill(logs, features, columns, rec_dtype, spill_dir, num_buckets, total_rows, progress)
+        counts = _pass2_build(
+            spill_dir, features, split, rec_dtype, tmp_dir, num_buckets, num_shards, row_group_users, progress
+        )
+        shutil.rmtree(spill_dir)
+        manifest = {
+            "format": FORMAT_VERSION,
+            "features": asdict(features),
+            "split": asdict(split),
+            "columns": _output_columns(features),
+            "counts": counts,
+            "settings": {
+                "memory_budget_mb": memory_budget_mb,
+                "num_shards": num_shards,
+                "num_buckets": num_buckets,
+                "row_group_users": row_group_users,
+            },
+            "sources": [
+                {"path": str(log.path.resolve()), "size": log.path.stat().st_size, "rows": log.num_rows,
+                 "sha256": _sha256(log.path)}
+                for log in logs
+            ],
+            "outputs": {
+                str(p.relative_to(tmp_dir)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                for p in sorted(tmp_dir.rglob("*.parquet"))
+            },
+        }
+        with open(tmp_dir / "manifest.json", "w") as f:
+            json.dump(manifest, f, indent=2)
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out_dir, old)
+            os.rename(tmp_dir, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return manifest
+
+
+def load_manifest(prepared_dir: str | os.PathLike) -> dict:
+    """The manifest of a prepared directory; ValueError when it is not one."""
+    path = Path(prepared_dir) / "manifest.json"
+    if not path.is_file():
+        raise ValueError(f"{prepared_dir}: no manifest.json (not a prepared directory)")
+    with open(path) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT_VERSION!r}")
+    return manifest
+
+
+# ----------------------------------------------------------------------------------------
+# Input discovery and validation (nothing is written before all of this passes)
+
+
+@dataclass
+class _Log:
+    path: Path
+    file: pq.ParquetFile
+    num_rows: int
+    is_string: dict[str, bool]
+    """Per read column: string ids (hashed) or integers (passed through)."""
+
+
+def _validate_features(features: FeatureSpec) -> None:
+    if features.item not in features.sparse:
+        raise ValueError(f"features.item {features.item!r} must be one of features.sparse {features.sparse}")
+    names = [*features.sparse, *features.labels]
+    if len(set(names)) != len(names):
+        raise ValueError(f"features.sparse + features.labels repeat a column: {names}")
+    for reserved in (USER_COLUMN, TS_COLUMN):
+        if reserved in names:
+            raise ValueError(f"features: {reserved!r} is reserved for the output's user key / timestamps")
+
+
+def _resolve_paths(spec) -> list[Path]:
+    items = spec if isinstance(spec, (list, tuple)) else [spec]
+    if not items:
+        raise ValueError("no event-log paths given")
+    out: list[Path] = []
+    for item in items:
+        s = str(item)
+        if any(ch in s for ch in "*?["):
+            matched = sorted(globlib.glob(s, recursive=True))
+            if not matched:
+                raise ValueError(f"{s}: glob matches no files")
+            out.extend(Path(m) for m in matched if Path(m).is_file())
+        elif Path(s).is_dir():
+            matched = sorted(Path(s).glob("*.parquet"))
+            if not matched:
+                raise ValueError(f"{s}: directory holds no *.parquet files")
+            out.extend(matched)
+        elif Path(s).is_file():
+            out.append(Path(s))
+        else:
+            raise ValueError(f"{s}: no such file")
+    return sorted(set(out))
+
+
+def _open_log(path: Path, features: FeatureSpec) -> _Log:
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable parquet file (corrupt or truncated?): {e}") from None
+    schema = file.schema_arrow
+    if file.metadata.num_rows == 0:
+        raise ValueError(f"{path}: empty file (0 rows)")
+    is_string = {}
+    for name, role in _column_roles(features):
+        idx = schema.get_field_index(name)
+        if idx < 0:
+            raise ValueError(f"{path}: missing column {name!r} ({role}); columns are {schema.names}")
+        typ = schema.field(idx).type
+        is_str = pa.types.is_string(typ) or pa.types.is_large_string(typ)
+        if role == "timestamp":
+            ok = pa.types.is_integer(typ)
+            want = "integer unix seconds"
+        elif role == "label":
+            ok = pa.types.is_integer(typ) or pa.types.is_boolean(typ)
+            want = "0/1 integer or bool"
+        else:
+            ok = pa.types.is_integer(typ) or is_str
+            want = "integer or string ids"
+        if not ok:
+            raise ValueError(f"{path}: column {name!r} ({role}) has type {typ}, expected {want}")
+        is_string[name] = is_str
+    return _Log(path=path, file=file, num_rows=file.metadata.num_rows, is_string=is_string)
+
+
+def _column_roles(features: FeatureSpec) -> list[tuple[str, str]]:
+    roles = [(features.user_key, "user key"), (features.timestamp, "timestamp")]
+    roles += [(s, "item" if s == features.item else "sparse feature") for s in features.sparse]
+    roles += [(lab, "label") for lab in features.labels]
+    return roles
+
+
+def _check_consistent_types(logs: list[_Log], features: FeatureSpec) -> None:
+    # An id column that is a string in one file and an integer in another would hash the
+    # same entity to two different ids.
+    first = logs[0]
+    for log in logs[1:]:
+        for name, is_str in log.is_string.items():
+            if is_str != first.is_string[name]:
+                kinds = {True: "string", False: "integer"}
+                raise ValueError(
+                    f"{log.path}: column {name!r} holds {kinds[is_str]} ids but "
+                    f"{first.path} holds {kinds[first.is_string[name]]} ids"
+                )
+
+
+# ----------------------------------------------------------------------------------------
+# Pass 1: stream the logs into per-bucket spill files of fixed-width records
+
+
+def _spill_columns(features: FeatureSpec) -> list[str]:
+    return [features.user_key, features.timestamp, *features.sparse, *features.labels]
+
+
+def _record_dtype(features: FeatureSpec) -> np.dtype:
+    fields = [("u", np.int64), ("t", np.int64)]
+    fields += [(f"s{i}", np.int64) for i in range(len(features.sparse))]
+    fields += [(f"l{i}", np.int8) for i in range(len(features.labels))]
+    return np.dtype(fields)
+
+
+def _bucket_of(users: np.ndarray, num_buckets: int) -> np.ndarray:
+    # Fibonacci hashing: sequential user ids spread evenly over the buckets.
+    mixed = (users.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(33)
+    return (mixed % np.uint64(num_buckets)).astype(np.int64)
+
+
+def _pass1_spill(logs, features, columns, rec_dtype, spill_dir, num_buckets, total_rows, progress):
+    key_columns = {features.user_key: "user key", features.timestamp: "timestamp", features.item: "item"}
+    handles = [open(spill_dir / f"bucket-{b:05d}.bin", "wb") for b in range(num_buckets)]
+    bar = tqdm(total=total_rows, unit="ev", desc="prepare: spill", file=sys.stderr, disable=not progress)
+    try:
+        for log in logs:
+            for rg in range(log.file.metadata.num_row_groups):
+                try:
+                    batches = list(log.file.iter_batches(batch_size=_PASS1_BATCH_ROWS, row_groups=[rg],
+                                                         columns=list(dict.fromkeys(columns))))
+                except (pa.ArrowException, OSError) as e:
+                    raise ValueError(f"{log.path}: row group {rg} unreadable (corrupt or truncated?): {e}") from None
+                for batch in batches:
+                    rec = np.empty(batch.num_rows, dtype=rec_dtype)
+                    for name, slot in zip(columns, rec_dtype.names):
+                        arr = batch.column(name)
+                        if arr.null_count and name in key_columns:
+                            raise ValueError(
+                                f"{log.path}: column {name!r} ({key_columns[name]}) has "
+                                f"{arr.null_count} nulls in row group {rg}"
+                            )
+                        if log.is_string[name]:
+                            arr = hash_string_ids(arr)
+                        elif pa.types.is_boolean(arr.type):
+                            arr = arr.cast(pa.int8())
+                        if arr.null_count:
+                            # Missing optional ids / labels read as 0 ("absent").
+                            arr = pc.fill_null(arr, 0)
+                        values = arr.to_numpy(zero_copy_only=False)
+                        if slot.startswith("l"):
+                            values = values.astype(np.int64)
+                            if values.size and (values.min() < 0 or values.max() > 1):
+                                raise ValueError(
+                                    f"{log.path}: label column {name!r} has values outside 0/1 in row group {rg}"
+                                )
+                        rec[slot] = values
+                    bucket = _bucket_of(rec["u"], num_buckets)
+                    order = np.argsort(bucket, kind="stable")
+                    rec = rec[order]
+                    bounds = np.concatenate([[0], np.cumsum(np.bincount(bucket, minlength=num_buckets))])
+                    for b in np.flatnonzero(np.diff(bounds)):
+                        rec[bounds[b] : bounds[b + 1]].tofile(handles[b])
+                    bar.update(batch.num_rows)
+    finally:
+        bar.close()
+        for h in handles:
+            h.close()
+
+
+# ----------------------------------------------------------------------------------------
+# Pass 2: per bucket, sort by (user, ts), cut each user's sequence into split prefixes
+
+
+def _output_columns(features: FeatureSpec) -> dict[str, str]:
+    cols = {USER_COLUMN: "int64"}
+    cols.update({s: "list<int64>" for s in features.sparse})
+    cols[TS_COLUMN] = "list<int64>"
+    cols.update({lab: "list<int8>" for lab in features.labels})
+    return cols
+
+
+def _output_schema(features: FeatureSpec) -> pa.Schema:
+    fields = [pa.field(USER_COLUMN, pa.int64(), nullable=False)]
+    fields += [pa.field(s, pa.list_(pa.int64())) for s in features.sparse]
+    fields += [pa.field(TS_COLUMN, pa.list_(pa.int64()))]
+    fields += [pa.field(lab, pa.list_(pa.int8())) for lab in features.labels]
+    return pa.schema(fields)
+
+
+def _split_prefix_lengths(split: SplitConfig, ts: np.ndarray, starts: np.ndarray, n_u: np.ndarray,
+                          counts: dict) -> dict[str, np.ndarray]:
+    """Per user, the length of its row in each split (0: no row). Rows are prefixes of the
+    user's time-ordered events."""
+    keep = n_u >= split.min_user_events
+    counts["users_dropped_min_events"] += int((~keep).sum())
+    zero = np.zeros_like(n_u)
+    if split.kind == "leave_one_out":
+        full = keep & (n_u >= 3)
+        counts["users_train_only"] += int((keep & ~full).sum())
+        return {
+            "train": np.where(full, n_u - 2, np.where(keep, n_u, 0)),
+            "valid": np.where(full, n_u - 1, 0),
+            "test": np.where(full, n_u, 0),
+        }
+
+    def before(cutoff: int) -> np.ndarray:
+        return np.add.reduceat((ts < cutoff).astype(np.int64), starts)
+
+    def eval_rows(history_n: np.ndarray, upper: int | None, name: str) -> np.ndarray:
+        # The first event at or after the cutoff is the target: it exists when the user
+        # has more events than history, and lies in the window when before `upper`.
+        has_next = history_n < n_u
+        target_ts = ts[np.minimum(starts + history_n, len(ts) - 1)]
+        in_window = has_next & (target_ts < upper if upper is not None else True)
+        counts["eval_users_without_history"][name] += int((keep & in_window & (history_n == 0)).sum())
+        return np.where(keep & in_window & (history_n > 0), history_n + 1, 0)
+
+    n_train = before(split.train_cutoff_ts)
+    lengths = {"train": np.where(keep, n_train, 0)}
+    if split.valid_cutoff_ts is None:
+        lengths["valid"] = zero
+        lengths["test"] = eval_rows(n_train, None, "test")
+    else:
+        lengths["valid"] = eval_rows(n_train, split.valid_cutoff_ts, "valid")
+        lengths["test"] = eval_rows(before(split.valid_cutoff_ts), None, "test")
+    return lengths
+
+
+def _pass2_build(spill_dir, features, split, rec_dtype, out_dir, num_buckets, num_shards, row_group_users,
+                 progress) -> dict:
+    schema = _output_schema(features)
+    item_slot = f"s{features.sparse.index(features.item)}"
+    counts: dict = {
+        "source_events": 0,
+        "users": 0,
+        "users_dropped_min_events": 0,
+        "users_train_only": 0,
+        "eval_users_without_history": {"valid": 0, "test": 0},
+        "rows": {s: 0 for s in SPLITS},
+        "events": {s: 0 for s in SPLITS},
+    }
+    writers = {}
+    for s in SPLITS:
+        (out_dir / s).mkdir()
+        for shard in range(num_shards):
+            writers[s, shard] = pq.ParquetWriter(out_dir / s / f"part-{shard:05d}.parquet", schema)
+    items = _ItemCounter()
+    try:
+        for b in tqdm(range(num_buckets), desc="prepare: sort", file=sys.stderr, disable=not progress):
+            path = spill_dir / f"bucket-{b:05d}.bin"
+            rec = np.fromfile(path, dtype=rec_dtype)
+            path.unlink()
+            if rec.size == 0:
+                continue
+            # lexsort is stable: equal (user, ts) keep log order.
+            rec = rec[np.lexsort((rec["t"], rec["u"]))]
+            users = rec["u"]
+            starts = np.flatnonzero(np.concatenate([[True], users[1:] != users[:-1]]))
+            n_u = np.diff(np.append(starts, len(users)))
+            pos_in_user = np.arange(len(users)) - np.repeat(starts, n_u)
+            counts["source_events"] += len(rec)
+            counts["users"] += len(starts)
+            lengths = _split_prefix_lengths(split, rec["t"], starts, n_u, counts)
+            for s in SPLITS:
+                has_row = lengths[s] > 0
+                if not has_row.any():
+                    continue
+                event_mask = pos_in_user < np.repeat(lengths[s], n_u)
+                row_lengths = lengths[s][has_row]
+                offsets = pa.array(np.concatenate([[0], np.cumsum(row_lengths)]).astype(np.int32))
+                arrays = [pa.array(users[starts[has_row]])]
+                for i in range(len(features.sparse)):
+                    arrays.append(pa.ListArray.from_arrays(offsets, rec[f"s{i}"][event_mask]))
+                arrays.append(pa.ListArray.from_arrays(offsets, rec["t"][event_mask]))
+                for i in range(len(features.labels)):
+                    arrays.append(pa.ListArray.from_arrays(offsets, rec[f"l{i}"][event_mask]))
+                table = pa.Table.from_arrays(arrays, schema=schema)
+                writers[s, b % num_shards].write_table(table, row_group_size=row_group_users)
+                counts["rows"][s] += int(has_row.sum())
+                counts["events"][s] += int(row_lengths.sum())
+                if s == "train":
+                    items.add(rec[item_slot][event_mask])
+            del rec, users, pos_in_user
+    finally:
+        for w in writers.values():
+            w.close()
+    item_ids, item_counts = items.result()
+    order = np.lexsort((item_ids, -item_counts))
+    items_table = pa.table({"item_id": item_ids[order], "count": item_counts[order]})
+    pq.write_table(items_table, out_dir / "items.parquet")
+    counts["items"] = int(len(item_ids))
+    return counts
+
+
+class _ItemCounter:
+    """Distinct item ids with counts, merged lazily so the cost stays ~linear."""
+
+    def __init__(self):
+        self.ids = np.empty(0, np.int64)
+        self.counts = np.empty(0, np.int64)
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self.pending_size = 0
+
+    def add(self, item_ids: np.ndarray) -> None:
+        ids, cnt = np.unique(item_ids, return_counts=True)
+        self.pending.append((ids, cnt.astype(np.int64)))
+        self.pending_size += len(ids)
+        if self.pending_size > max(len(self.ids), 1 << 20):
+            self._merge()
+
+    def _merge(self) -> None:
+        ids = np.concatenate([self.ids, *(p[0] for p in self.pending)])
+        cnt = np.concatenate([self.counts, *(p[1] for p in self.pending)])
+        self.ids, inverse = np.unique(ids, return_inverse=True)
+        self.counts = np.bincount(inverse, weights=cnt, minlength=len(self.ids)).astype(np.int64)
+        self.pending, self.pending_size = [], 0
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        self._merge()
+        return self.ids, self.counts
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
