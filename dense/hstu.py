@@ -1,0 +1,70 @@
+"""HSTU block (Zhai et al., ICML 2024) over jagged tokens.
+
+    x_n = LayerNorm(x)
+    U, V, Q, K = split(SiLU(x_n @ W_uvqk + b))          (SiLU on U only: production variant)
+    A = SiLU(alpha Q K^T + rab) / n  * mask              (pointwise, no softmax; see kernels.py)
+    y = x + Linear(Dropout(U * LayerNorm(A V)))
+
+Tokens are jagged: x_TD holds every row's tokens back to back (see jagged.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TowerConfig
+from .jagged import JaggedLayout
+from .kernels import KERNELS, HSTUAttentionParams
+
+
+class HSTUBlock(nn.Module):
+    def __init__(self, cfg: TowerConfig, kernel: str) -> None:
+        super().__init__()
+        H, dq, dv, D = cfg.num_heads, cfg.attention_dim, cfg.linear_dim, cfg.embedding_dim
+        self.num_heads, self.attention_dim, self.linear_dim = H, dq, dv
+        self.silu_u_only = cfg.uvqk_activation == "silu_u"
+        self.input_norm = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
+        self.uvqk = nn.Linear(D, H * (2 * dv + 2 * dq))
+        self.attn_norm = nn.LayerNorm(H * dv, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.output = nn.Linear(H * dv, D)
+        nn.init.normal_(self.uvqk.weight, std=0.02)  # the reference's init
+        nn.init.zeros_(self.uvqk.bias)
+        self.kernel = KERNELS[("hstu", kernel)]
+        self.params = HSTUAttentionParams(
+            alpha=cfg.attention_dim ** -0.5 if cfg.scale_qk else 1.0, normalizer=cfg.normalizer,
+            max_seq_len=cfg.max_seq_len, num_time_buckets=cfg.num_time_buckets,
+            time_bucket_divisor=cfg.time_bucket_divisor, bucket_min_fill=cfg.bucket_min_fill,
+            block_elems=cfg.attention_block_elems)
+        self.ts_w = nn.Parameter(torch.zeros(cfg.num_time_buckets + 1)) \
+            if cfg.attention_bias in ("time_and_position", "time") else None
+        self.pos_w = nn.Parameter(torch.zeros(cfg.max_seq_len)) \
+            if cfg.attention_bias in ("time_and_position", "position") else None
+        for w in (self.ts_w, self.pos_w):
+            if w is not None:
+                nn.init.normal_(w, std=0.02)
+
+    def project(self, x_TD: torch.Tensor):
+        """-> (u [T, H*dv], q [T, H, dq], k [T, H, dq], v [T, H, dv])."""
+        H, dq, dv = self.num_heads, self.attention_dim, self.linear_dim
+        uvqk = self.uvqk(self.input_norm(x_TD))
+        if self.silu_u_only:
+            u, vqk = uvqk.split([H * dv, H * (dv + 2 * dq)], dim=-1)
+            u = F.silu(u)
+        else:
+            uvqk = F.silu(uvqk)
+            u, vqk = uvqk.split([H * dv, H * (dv + 2 * dq)], dim=-1)
+        v, q, k = vqk.split([H * dv, H * dq, H * dq], dim=-1)
+        shape = x_TD.shape[:-1]
+        return u, q.reshape(*shape, H, dq), k.reshape(*shape, H, dq), v.reshape(*shape, H, dv)
+
+    def finish(self, x_TD: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """attn [..., H*dv] -> block output."""
+        return x_TD + self.output(self.dropout(u * self.attn_norm(attn)))
+
+    def forward(self, x_TD: torch.Tensor, layout: JaggedLayout) -> torch.Tensor:
+        u, q, k, v = self.project(x_TD)
+        attn = self.kernel(q, k, v, layout, self.ts_w, self.pos_w, self.params)
+        return self.finish(x_TD, u, attn.reshape(attn.shape[0], -1))

@@ -1,0 +1,155 @@
+"""Jagged layout of one tower call, computed once and shared by every layer.
+
+Worked example (B = 2, row 0 has 3 history events + 2 ranking candidates, row 1 has 1 event):
+
+    offsets_B1     [0, 5, 6]
+    num_targets_B  [2, 0]
+    lengths_B      [5, 1]      history_lengths_B [3, 1]
+    positions_T    [0, 1, 2, 3, 3, 0]   (both candidates sit right after the history)
+    timestamps_T   [100, 160, 200, 210, 210, 50]
+
+Padded views used by the reference kernel put token t of row b at b * max_len + i.
+Length buckets used by the fast kernels group rows of similar length (longest first) and
+pad each bucket only to its own longest row, so a batch with mean length max/4 pays for
+about mean-length tiles, not max-length tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LengthBucket:
+    """Rows of similar length padded to `max_len`; index tensors live on the data's device."""
+
+    num_rows: int
+    max_len: int
+    history_lengths_G: torch.Tensor
+    """int64 [G]: tokens before the first candidate (= length when the row has none)."""
+    positions_GN: torch.Tensor
+    """int64 [G, N]: position of each token (candidates share the post-history position)."""
+    timestamps_GN: torch.Tensor
+    """int64 [G, N]."""
+    has_targets: bool
+    """Any row of the bucket has ranking candidates (then the mask is not plain causal)."""
+
+
+@dataclass
+class JaggedLayout:
+    offsets_B1: torch.Tensor
+    lengths_B: torch.Tensor
+    history_lengths_B: torch.Tensor
+    positions_T: torch.Tensor
+    timestamps_T: torch.Tensor
+    max_len: int
+    has_targets: bool
+    # Built lazily by `padded_index` / `buckets`.
+    _dense_index_T: torch.Tensor | None = None
+    _buckets: list[LengthBucket] | None = None
+    _gather_index: torch.Tensor | None = None
+    _scatter_index_T: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths_B.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions_T.numel())
+
+    def padded_index(self) -> torch.Tensor:
+        """int64 [T]: flat index b * max_len + i of every token in a [B, max_len] padding."""
+        if self._dense_index_T is None:
+            row_T = torch.repeat_interleave(
+                torch.arange(self.batch_size, device=self.lengths_B.device), self.lengths_B,
+                output_size=self.num_tokens)
+            in_row_T = torch.arange(self.num_tokens, device=row_T.device) - self.offsets_B1[row_T]
+            self._dense_index_T = row_T * self.max_len + in_row_T
+        return self._dense_index_T
+
+    def buckets(self, min_fill: float) -> list[LengthBucket]:
+        if self._buckets is None:
+            self._build_buckets(min_fill)
+        return self._buckets
+
+    def gather_to_buckets(self, x_TX: torch.Tensor, min_fill: float) -> list[torch.Tensor]:
+        """Jagged [T, *X] -> one padded [G, N, *X] tensor per bucket (padding is zeros)."""
+        buckets = self.buckets(min_fill)
+        x_ext = torch.cat([x_TX, x_TX.new_zeros((1,) + x_TX.shape[1:])])
+        flat = x_ext.index_select(0, self._gather_index)
+        sizes = [b.num_rows * b.max_len for b in buckets]
+        return [part.view((b.num_rows, b.max_len) + x_TX.shape[1:])
+                for part, b in zip(flat.split(sizes), buckets)]
+
+    def scatter_from_buckets(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Inverse of `gather_to_buckets`: padded [G, N, *X] per bucket -> jagged [T, *X]."""
+        flat = torch.cat([p.reshape((-1,) + p.shape[2:]) for p in parts])
+        return flat.index_select(0, self._scatter_index_T)
+
+    def _build_buckets(self, min_fill: float) -> None:
+        device = self.lengths_B.device
+        lengths = self.lengths_B.tolist()  # host sync, once per tower call
+        order = sorted((b for b in range(len(lengths)) if lengths[b] > 0), key=lambda b: -lengths[b])
+        groups: list[list[int]] = []
+        for b in order:
+            if groups and lengths[b] >= min_fill * lengths[groups[-1][0]]:
+                groups[-1].append(b)
+            else:
+                groups.append([b])
+        T = self.num_tokens
+        pad_pos = torch.cat([self.positions_T, self.positions_T.new_zeros(1)])
+        pad_ts = torch.cat([self.timestamps_T, self.timestamps_T.new_zeros(1)])
+        buckets, gathers = [], []
+        for rows in groups:
+            rows_G = torch.tensor(rows, device=device, dtype=torch.long)
+            N = lengths[rows[0]]
+            ar_N = torch.arange(N, device=device)
+            idx_GN = self.offsets_B1[rows_G][:, None] + ar_N[None, :]
+            valid_GN = ar_N[None, :] < self.lengths_B[rows_G][:, None]
+            idx_GN = torch.where(valid_GN, idx_GN, torch.full_like(idx_GN, T))
+            hist_G = self.history_lengths_B[rows_G]
+            buckets.append(LengthBucket(
+                num_rows=len(rows), max_len=N, history_lengths_G=hist_G,
+                positions_GN=pad_pos[idx_GN], timestamps_GN=pad_ts[idx_GN],
+                has_targets=bool((hist_G < self.lengths_B[rows_G]).any())))
+            gathers.append(idx_GN.reshape(-1))
+        gather = torch.cat(gathers) if gathers else torch.zeros(0, dtype=torch.long, device=device)
+        scatter = torch.empty(T, dtype=torch.long, device=device)
+        valid = gather < T
+        scatter[gather[valid]] = torch.nonzero(valid).squeeze(1)
+        self._buckets, self._gather_index, self._scatter_index_T = buckets, gather, scatter
+
+
+def make_layout(offsets_B1: torch.Tensor, timestamps_T: torch.Tensor,
+                num_targets_B: torch.Tensor | None, max_seq_len: int) -> JaggedLayout:
+    """Validates the jagged input and derives lengths, history lengths and positions."""
+    if offsets_B1.dim() != 1 or offsets_B1.numel() < 1:
+        raise ValueError(f"offsets_B1 must be 1-D [B+1], got shape {tuple(offsets_B1.shape)}")
+    offsets_B1 = offsets_B1.long()
+    lengths_B = offsets_B1[1:] - offsets_B1[:-1]
+    T = int(offsets_B1[-1])
+    if int(offsets_B1[0]) != 0 or (lengths_B < 0).any():
+        raise ValueError("offsets_B1 must start at 0 and be non-decreasing")
+    if timestamps_T.shape != (T,):
+        raise ValueError(f"timestamps_T must have shape [{T}] (offsets_B1[-1]), got {tuple(timestamps_T.shape)}")
+    max_len = int(lengths_B.max()) if lengths_B.numel() else 0
+    if max_len > max_seq_len:
+        raise ValueError(f"a row has {max_len} tokens, more than TowerConfig.max_seq_len={max_seq_len}")
+    if num_targets_B is None:
+        history_lengths_B = lengths_B
+    else:
+        num_targets_B = num_targets_B.long()
+        if num_targets_B.shape != lengths_B.shape or (num_targets_B < 0).any() or (num_targets_B > lengths_B).any():
+            raise ValueError("num_targets_B must be int64 [B] with 0 <= num_targets_B[b] <= row length")
+        history_lengths_B = lengths_B - num_targets_B
+    row_T = torch.repeat_interleave(torch.arange(lengths_B.numel(), device=offsets_B1.device),
+                                    lengths_B, output_size=T)
+    in_row_T = torch.arange(T, device=offsets_B1.device) - offsets_B1[row_T]
+    positions_T = torch.minimum(in_row_T, history_lengths_B[row_T])
+    return JaggedLayout(
+        offsets_B1=offsets_B1, lengths_B=lengths_B, history_lengths_B=history_lengths_B,
+        positions_T=positions_T, timestamps_T=timestamps_T.long(), max_len=max_len,
+        has_targets=num_targets_B is not None and bool((num_targets_B > 0).any()))

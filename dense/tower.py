@@ -1,0 +1,199 @@
+"""The sequence tower: a stack of HSTU or Transformer blocks on jagged tokens, plus the
+per-layer key/value cache for incremental candidate scoring (M-FALCON).
+
+Worked example (D = 4, two users; user 0 has 3 events, user 1 has 1):
+
+    values_TD     float [4, 4]     rows 0..2 are user 0's events, row 3 is user 1's
+    offsets_B1    [0, 3, 4]
+    timestamps_T  [100, 160, 200, 50]
+    tower(values_TD, offsets_B1, timestamps_T)              -> states [4, 4], causal
+
+Ranking with 2 candidates for user 0 and 1 for user 1, appended after each history:
+
+    values_TD     [7, 4]  = [h0 h1 h2 c0 c1 | h3 c2]
+    offsets_B1    [0, 5, 7]
+    num_targets_B [2, 1]
+    tower(values_TD, offsets_B1, timestamps_T, num_targets_B)   -> states [7, 4]
+
+The same candidate states, history encoded once:
+
+    states, cache = tower.encode_history(history_TD, [0, 3, 4], ts_T)
+    cand_states_CD = tower.score_targets(cache, [c0 c1 c2], [0, 2, 3], cand_ts_C)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import TowerConfig
+from .hstu import HSTUBlock
+from .jagged import JaggedLayout, make_layout
+from .kernels import relative_bias
+from .transformer import TransformerBlock
+
+
+@dataclass
+class HistoryCache:
+    """Everything `score_targets` needs about the encoded histories (padded per row)."""
+
+    history_lengths_B: torch.Tensor
+    """int64 [B]."""
+    timestamps_BL: torch.Tensor
+    """int64 [B, L] (L = longest history; padding is 0)."""
+    valid_BL: torch.Tensor
+    """bool [B, L]."""
+    keys: list[torch.Tensor]
+    """Per layer [B, H, L, d_qk]."""
+    values: list[torch.Tensor]
+    """Per layer [B, H, L, d_v]."""
+
+
+class SequenceTower(nn.Module):
+    def __init__(self, cfg: TowerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        block = HSTUBlock if cfg.kind == "hstu" else TransformerBlock
+        self.layers = nn.ModuleList(block(cfg, cfg.resolved_kernel) for _ in range(cfg.num_layers))
+        self.position_embedding = (nn.Embedding(cfg.max_seq_len, cfg.embedding_dim)
+                                   if cfg.uses_absolute_positions else None)
+        if self.position_embedding is not None:
+            nn.init.normal_(self.position_embedding.weight, std=0.02)
+        # Pre-LN stacks need a final norm; HSTU's reference returns the residual stream as is.
+        self.final_norm = (nn.LayerNorm(cfg.embedding_dim, eps=cfg.layer_norm_eps)
+                           if cfg.kind == "transformer" else nn.Identity())
+        self.activation_checkpointing = cfg.activation_checkpointing
+
+    def _check_values(self, values_TD: torch.Tensor, offsets_B1: torch.Tensor, what: str) -> None:
+        if values_TD.dim() != 2 or values_TD.shape[1] != self.cfg.embedding_dim:
+            raise ValueError(f"{what} must be [T, {self.cfg.embedding_dim}] (TowerConfig.embedding_dim), "
+                             f"got {tuple(values_TD.shape)}")
+        if values_TD.shape[0] != int(offsets_B1[-1]):
+            raise ValueError(f"{what} has {values_TD.shape[0]} rows but offsets end at {int(offsets_B1[-1])}")
+
+    def _run_layers(self, x_TD: torch.Tensor, layout: JaggedLayout, keep_kv: bool = False):
+        kvs = []
+        for layer in self.layers:
+            if keep_kv:
+                _, _, k, v = layer.project(x_TD)
+                kvs.append((k, v))
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x_TD = checkpoint(layer, x_TD, layout, use_reentrant=False)
+            else:
+                x_TD = layer(x_TD, layout)
+        return self.final_norm(x_TD), kvs
+
+    def forward(self, values_TD: torch.Tensor, offsets_B1: torch.Tensor, timestamps_T: torch.Tensor,
+                num_targets_B: torch.Tensor | None = None) -> torch.Tensor:
+        """Jagged [T, D] -> jagged [T, D]; the last num_targets_B[b] tokens of row b are
+        ranking candidates under the target-aware mask (None: plain causal)."""
+        self._check_values(values_TD, offsets_B1, "values_TD")
+        layout = make_layout(offsets_B1, timestamps_T, num_targets_B, self.cfg.max_seq_len)
+        x = values_TD
+        if self.position_embedding is not None:
+            x = x + self.position_embedding(layout.positions_T)
+        return self._run_layers(x, layout)[0]
+
+    @torch.no_grad()
+    def encode_history(self, values_TD: torch.Tensor, offsets_B1: torch.Tensor,
+                       timestamps_T: torch.Tensor) -> tuple[torch.Tensor, HistoryCache]:
+        """Causal encoding of the histories, keeping each layer's keys and values."""
+        self._check_values(values_TD, offsets_B1, "values_TD")
+        layout = make_layout(offsets_B1, timestamps_T, None, self.cfg.max_seq_len)
+        x = values_TD
+        if self.position_embedding is not None:
+            x = x + self.position_embedding(layout.positions_T)
+        states, kvs = self._run_layers(x, layout, keep_kv=True)
+        B, L = layout.batch_size, layout.max_len
+        index = layout.padded_index()
+
+        def pad(t_TX: torch.Tensor) -> torch.Tensor:  # [T, H, d] -> [B, H, L, d]
+            out = t_TX.new_zeros((B * L,) + t_TX.shape[1:])
+            out[index] = t_TX
+            return out.view(B, L, *t_TX.shape[1:]).transpose(1, 2).contiguous()
+
+        ts = layout.timestamps_T.new_zeros(B * L)
+        ts[index] = layout.timestamps_T
+        valid = torch.zeros(B * L, dtype=torch.bool, device=values_TD.device)
+        valid[index] = True
+        cache = HistoryCache(history_lengths_B=layout.lengths_B, timestamps_BL=ts.view(B, L),
+                             valid_BL=valid.view(B, L), keys=[pad(k) for k, _ in kvs],
+                             values=[pad(v) for _, v in kvs])
+        return states, cache
+
+    @torch.no_grad()
+    def score_targets(self, cache: HistoryCache, target_values_CD: torch.Tensor,
+                      target_offsets_B1: torch.Tensor, target_timestamps_C: torch.Tensor) -> torch.Tensor:
+        """Candidate states against the cached histories; equals the candidate rows of
+        forward(history + candidates, num_targets_B=candidate counts). Candidates are
+        scored `target_micro_batch` per row at a time; each costs O(history) per layer."""
+        self._check_values(target_values_CD, target_offsets_B1, "target_values_CD")
+        B = cache.history_lengths_B.numel()
+        if target_offsets_B1.shape != (B + 1,):
+            raise ValueError(f"target_offsets_B1 must be [{B + 1}] (batch size of the cache + 1), "
+                             f"got {tuple(target_offsets_B1.shape)}")
+        target_offsets_B1 = target_offsets_B1.long()
+        counts_B = target_offsets_B1[1:] - target_offsets_B1[:-1]
+        if B and int((cache.history_lengths_B + counts_B).max()) > self.cfg.max_seq_len:
+            raise ValueError("history + candidates exceed TowerConfig.max_seq_len")
+        max_c = int(counts_B.max()) if B else 0
+        out = target_values_CD.new_empty(target_values_CD.shape)
+        m = self.cfg.target_micro_batch
+        for c0 in range(0, max_c, m):
+            c_M = torch.arange(c0, min(max_c, c0 + m), device=counts_B.device)
+            valid_BM = c_M[None, :] < counts_B[:, None]
+            idx_BM = torch.where(valid_BM, target_offsets_B1[:-1, None] + c_M[None, :], 0)
+            x = target_values_CD[idx_BM]                       # [B, M, D]
+            ts_BM = target_timestamps_C.long()[idx_BM]
+            y = self._score_micro_batch(cache, x, ts_BM)
+            out[idx_BM[valid_BM]] = y[valid_BM]
+        return out
+
+    def _score_micro_batch(self, cache: HistoryCache, x_BMD: torch.Tensor, ts_BM: torch.Tensor) -> torch.Tensor:
+        hist_B = cache.history_lengths_B
+        if self.position_embedding is not None:
+            x_BMD = x_BMD + self.position_embedding(hist_B)[:, None, :]
+        B, M, _ = x_BMD.shape
+        L = cache.timestamps_BL.shape[1]
+        for layer, K, V in zip(self.layers, cache.keys, cache.values):
+            u, q, k, v = layer.project(x_BMD)                 # q, k: [B, M, H, dq]
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, M, d]
+            s_hist = torch.matmul(q, K.transpose(-1, -2))     # [B, H, M, L]
+            s_self = (q * k).sum(-1, keepdim=True)            # [B, H, M, 1]
+            valid = cache.valid_BL[:, None, None, :]
+            if self.cfg.kind == "hstu":
+                p = layer.params
+                s_hist, s_self = s_hist * p.alpha, s_self * p.alpha
+                pos_k = torch.arange(L, device=x_BMD.device)[None, None, :]
+                rab = relative_bias(hist_B[:, None, None], ts_BM[:, :, None], pos_k,
+                                    cache.timestamps_BL[:, None, :], layer.ts_w, layer.pos_w, p)
+                zero = hist_B.new_zeros(1)
+                rab_self = relative_bias(zero, zero, zero, zero, layer.ts_w, layer.pos_w, p)
+                if rab is not None:
+                    s_hist, s_self = s_hist + rab[:, None], s_self + rab_self
+                if p.normalizer == "max_seq_len":
+                    inv_n = 1.0 / p.max_seq_len
+                elif p.normalizer == "num_keys":
+                    inv_n = 1.0 / (hist_B.float() + 1)[:, None, None, None]
+                else:
+                    inv_n = 1.0
+                a_hist = F.silu(s_hist) * inv_n * valid
+                a_self = F.silu(s_self) * inv_n
+            else:
+                scale = layer.attention_dim ** -0.5
+                s = torch.cat([s_hist.masked_fill(~valid, float("-inf")), s_self], dim=-1) * scale
+                a = torch.softmax(s.float(), dim=-1)
+                a_hist, a_self = a[..., :L], a[..., L:]
+            attn = torch.matmul(a_hist.to(V.dtype), V) + a_self.to(v.dtype) * v   # [B, H, M, dv]
+            attn = attn.transpose(1, 2).reshape(B, M, -1)
+            x_BMD = layer.finish(x_BMD, u, attn)
+        return self.final_norm(x_BMD)
+
+
+def build_tower(cfg: TowerConfig) -> SequenceTower:
+    """The tower for `cfg` (HSTU or Transformer), parameters in fp32 on CPU."""
+    return SequenceTower(cfg)

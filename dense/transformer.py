@@ -1,0 +1,54 @@
+"""SASRec-style Transformer block (pre-LN causal softmax attention + FFN) over jagged tokens.
+
+    h = x + Dropout(W_o MHA(LayerNorm(x)))
+    y = h + Dropout(FFN(LayerNorm(h)))     FFN = Linear -> GELU -> Linear
+
+Same jagged interface and masks as HSTU (see kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import TowerConfig
+from .jagged import JaggedLayout
+from .kernels import KERNELS
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: TowerConfig, kernel: str) -> None:
+        super().__init__()
+        H, dq, dv, D = cfg.num_heads, cfg.attention_dim, cfg.linear_dim, cfg.embedding_dim
+        self.num_heads, self.attention_dim, self.linear_dim = H, dq, dv
+        self.attn_input_norm = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
+        self.qkv = nn.Linear(D, H * (2 * dq + dv))
+        self.output = nn.Linear(H * dv, D)
+        self.ffn_norm = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
+        self.ffn = nn.Sequential(nn.Linear(D, cfg.ffn_multiplier * D), nn.GELU(),
+                                 nn.Linear(cfg.ffn_multiplier * D, D))
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout_p = cfg.dropout
+        self.kernel_name = kernel
+        self.kernel = KERNELS[("transformer", kernel)]
+        self.bucket_min_fill = cfg.bucket_min_fill
+
+    def project(self, x_TD: torch.Tensor):
+        """-> (None, q [T, H, dq], k [T, H, dq], v [T, H, dv])."""
+        H, dq, dv = self.num_heads, self.attention_dim, self.linear_dim
+        q, k, v = self.qkv(self.attn_input_norm(x_TD)).split([H * dq, H * dq, H * dv], dim=-1)
+        shape = x_TD.shape[:-1]
+        return None, q.reshape(*shape, H, dq), k.reshape(*shape, H, dq), v.reshape(*shape, H, dv)
+
+    def finish(self, x_TD: torch.Tensor, u: None, attn: torch.Tensor) -> torch.Tensor:
+        h = x_TD + self.dropout(self.output(attn))
+        return h + self.dropout(self.ffn(self.ffn_norm(h)))
+
+    def forward(self, x_TD: torch.Tensor, layout: JaggedLayout) -> torch.Tensor:
+        _, q, k, v = self.project(x_TD)
+        p = self.dropout_p if self.training else 0.0
+        if self.kernel_name == "sdpa":
+            attn = self.kernel(q, k, v, layout, p, self.bucket_min_fill)
+        else:
+            attn = self.kernel(q, k, v, layout, p)
+        return self.finish(x_TD, None, attn.reshape(attn.shape[0], -1))
