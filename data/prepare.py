@@ -129,6 +129,7 @@ def prepare(
     memory_budget_mb: int = 1024,
     num_shards: int = 4,
     row_group_users: int = 1024,
+    num_buckets: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict:
@@ -137,6 +138,7 @@ def prepare(
     `log_paths_or_glob`: a file, a directory (its *.parquet), a glob, or a list of those.
     Bad input raises ValueError naming the file (and column / row group) before anything
     is written to `out_dir`; the output appears atomically (temp dir + rename) or not at all.
+    `num_buckets` overrides the spill bucket count derived from `memory_budget_mb`.
     """
     split.validate()
     _validate_features(features)
@@ -157,7 +159,10 @@ def prepare(
     rec_dtype = _record_dtype(features)
     bytes_per_row = _PASS2_COPIES * rec_dtype.itemsize + 16
     budget = memory_budget_mb * (1 << 20) // 2  # the other half: interpreter, arrow pools, items
-    num_buckets = int(min(_MAX_BUCKETS, max(num_shards, -(-total_rows * bytes_per_row // budget))))
+    if num_buckets is None:
+        num_buckets = int(min(_MAX_BUCKETS, max(num_shards, -(-total_rows * bytes_per_row // budget))))
+    elif not 1 <= num_buckets <= _MAX_BUCKETS:
+        raise ValueError(f"num_buckets must be in [1, {_MAX_BUCKETS}], got {num_buckets}")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,425 @@
+"""Training / evaluation loader over a prepared split directory (see `data.prepare`).
+
+Worked example (max_seq_len 3, FeatureSpec sparse = ["item_id", "action"], labels = ["click"]):
+
+    prepared row, user 7: item_id [11, 12, 13, 14, 15]  ts [1, 2, 3, 4, 5]  click [0, 1, 0, 1, 1]
+    retrieval: window = last 3 events -> history items [13, 14, 15]
+    ranking (num_candidates 1): window [13, 14, 15] -> history [13, 14], candidate 15 (click 1)
+    eval:   target 15 (targets_B), history = the 3 events before it [12, 13, 14];
+            the target event is also the single candidate (labels_CL from its click)
+
+Sharding and order. The unit of work is a row group of a split file (row groups are cut
+into row slices when there are fewer than 4 per global worker). Each epoch the units are
+permuted with seed + epoch and dealt round-robin to the global workers
+(rank * num_workers + worker id); each worker permutes the rows of each unit with
+(seed, epoch, unit) and cuts its stream of rows into batches. The loader yields the
+workers' batches round-robin (worker 0's batch 0, worker 1's batch 0, ..., worker 0's
+batch 1, ...), whatever order DataLoader delivers them in. So the batch sequence is a
+pure function of (seed, epoch, world_size, rank, num_workers, batch_size), and a position
+(epoch, batches yielded) restores it exactly: on resume each worker skips the rows of
+the batches it had already produced, mostly by skipping whole units unread.
+
+With `equal_batches_per_rank` every rank yields the same number of batches per epoch
+(the smallest rank's, computed from the file footers on every rank without
+communication), so collective training steps never wait for a rank that has run out.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from genrec.data.batch import Batch
+from genrec.data.config import FeatureSpec
+from genrec.data.prepare import TS_COLUMN, USER_COLUMN
+
+
+@dataclass(kw_only=True)
+class LoaderConfig:
+    """How prepared sequences become batches."""
+
+    batch_size: int = 128
+    """Users (rows) per batch, per rank."""
+    max_seq_len: int = 200
+    """Longest window kept per user (most recent events; candidates included in ranking
+    mode; the history before the target in eval mode)."""
+    stochastic_length_prob: float = 0.0
+    """Training modes: probability that a window longer than `stochastic_length_min` is cut
+    to a uniform random length in [stochastic_length_min, window] (most recent kept)."""
+    stochastic_length_min: int = 16
+    """Windows at or below this length are never cut by the stochastic-length sampler."""
+    mode: Literal["retrieval", "ranking", "eval"] = "retrieval"
+    """retrieval: history only. ranking: the last `num_candidates` events of each window
+    become candidates with labels. eval: the last event is the target (targets_B, and the
+    single candidate with its labels); the history is what came before it."""
+    num_candidates: int = 1
+    """Ranking mode: candidates per user (fewer when the window is short: at least one
+    history event is kept, so a single-event user has no candidates)."""
+    shuffle: bool = True
+    """Permute units and rows each epoch (seed + epoch)."""
+    seed: int = 0
+    """Base seed of every permutation and of the stochastic-length sampler."""
+    drop_last: bool = False
+    """Drop each worker's final partial batch."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: read in the calling process)."""
+    equal_batches_per_rank: bool = True
+    """Cut every rank to the smallest rank's batch count per epoch."""
+    prefetch_factor: int = 2
+    """Batches each worker prepares ahead (num_workers > 0)."""
+
+
+@dataclass
+class _Unit:
+    file_idx: int
+    row_group: int
+    start: int
+    stop: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class _Rows:
+    """Rows of a split in numpy: row r's events are values[c][offsets_N1[r]:offsets_N1[r+1]]."""
+
+    user_ids_N: np.ndarray
+    offsets_N1: np.ndarray
+    values: dict[str, np.ndarray]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.user_ids_N)
+
+    def take(self, idx_R: np.ndarray) -> "_Rows":
+        starts, lengths = self.offsets_N1[idx_R], np.diff(self.offsets_N1)[idx_R]
+        flat = _ranges(starts, lengths)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        return _Rows(self.user_ids_N[idx_R], offsets, {c: v[flat] for c, v in self.values.items()})
+
+    @staticmethod
+    def concat(a: "_Rows", b: "_Rows") -> "_Rows":
+        offsets = np.concatenate([a.offsets_N1, b.offsets_N1[1:] + a.offsets_N1[-1]])
+        values = {c: np.concatenate([a.values[c], b.values[c]]) for c in a.values}
+        return _Rows(np.concatenate([a.user_ids_N, b.user_ids_N]), offsets, values)
+
+
+def _ranges(starts_B: np.ndarray, lengths_B: np.ndarray) -> np.ndarray:
+    """Flat indices of the ranges [start, start + length) back to back (no Python loop)."""
+    total = int(lengths_B.sum())
+    shift_B = starts_B - (np.cumsum(lengths_B) - lengths_B)
+    return np.arange(total, dtype=np.int64) + np.repeat(shift_B, lengths_B)
+
+
+class SequenceDataset(IterableDataset):
+    """Yields `(worker_id, batch_index, payload)` for one epoch of one rank; `SequenceLoader`
+    orders them and builds `Batch`es. Set `epoch`, `skip_batches` and `limit_batches`
+    (per worker) before iterating."""
+
+    def __init__(self, split_dir, features: FeatureSpec, cfg: LoaderConfig, *, rank: int = 0,
+                 world_size: int = 1):
+        _validate_cfg(cfg, rank, world_size)
+        self.split_dir = Path(split_dir)
+        self.features = features
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.num_workers = max(cfg.num_workers, 1)
+        self.columns = [*features.sparse, TS_COLUMN, *features.labels]
+        self.paths = sorted(self.split_dir.glob("*.parquet"))
+        if not self.paths:
+            raise ValueError(f"{self.split_dir}: no parquet files (not a prepared split directory?)")
+        self.units = self._list_units()
+        self.epoch = 0
+        self.skip_batches = [0] * self.num_workers
+        self.limit_batches = [0] * self.num_workers
+        self._files: dict[int, pq.ParquetFile] = {}
+
+    def __getstate__(self):
+        # Open file handles stay behind when the dataset is sent to a spawned worker.
+        return {**self.__dict__, "_files": {}}
+
+    def _list_units(self) -> list[_Unit]:
+        row_groups = []
+        for i, path in enumerate(self.paths):
+            try:
+                meta = pq.ParquetFile(path)
+            except (pa.ArrowException, OSError) as e:
+                raise ValueError(f"{path}: not a readable parquet file: {e}") from None
+            names = meta.schema_arrow.names
+            for col in [USER_COLUMN, *self.columns]:
+                if col not in names:
+                    raise ValueError(f"{path}: missing column {col!r} (prepared with another feature spec?)")
+            for rg in range(meta.metadata.num_row_groups):
+                n = meta.metadata.row_group(rg).num_rows
+                if n:
+                    row_groups.append(_Unit(i, rg, 0, n))
+        # Too few row groups for the global workers: cut them into row slices so no worker
+        # idles (a slice re-reads its row group; only small splits take this path).
+        want = 4 * self.world_size * self.num_workers
+        if row_groups and len(row_groups) < want:
+            pieces = -(-want // len(row_groups))
+            units = []
+            for u in row_groups:
+                bounds = np.linspace(0, u.num_rows, pieces + 1).astype(int)
+                units += [_Unit(u.file_idx, u.row_group, int(a), int(b)) for a, b in zip(bounds, bounds[1:]) if b > a]
+            return units
+        return row_groups
+
+    # -- the plan: which units each worker reads and how many batches each yields --------
+
+    def worker_units(self, epoch: int, rank: int, worker: int) -> list[int]:
+        order = np.arange(len(self.units))
+        if self.cfg.shuffle:
+            order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.units))
+        g = rank * self.num_workers + worker
+        return order[g :: self.world_size * self.num_workers].tolist()
+
+    def worker_num_batches(self, epoch: int, rank: int, worker: int) -> int:
+        rows = sum(self.units[u].num_rows for u in self.worker_units(epoch, rank, worker))
+        bs = self.cfg.batch_size
+        return rows // bs if self.cfg.drop_last else -(-rows // bs)
+
+    def schedule(self, epoch: int) -> np.ndarray:
+        """Worker id of each batch this rank yields in `epoch`, in yield order."""
+
+        def rank_counts(r):
+            return [self.worker_num_batches(epoch, r, w) for w in range(self.num_workers)]
+
+        counts = rank_counts(self.rank)
+        worker_W = np.repeat(np.arange(self.num_workers), counts)
+        index_W = np.concatenate([np.arange(c) for c in counts]) if counts else np.empty(0, int)
+        sched = worker_W[np.lexsort((worker_W, index_W))]
+        if self.cfg.equal_batches_per_rank and self.world_size > 1:
+            sched = sched[: min(sum(rank_counts(r)) for r in range(self.world_size))]
+        return sched
+
+    # -- reading ------------------------------------------------------------------------
+
+    def _read_unit(self, unit_id: int) -> _Rows:
+        u = self.units[unit_id]
+        path = self.paths[u.file_idx]
+        if u.file_idx not in self._files:
+            self._files[u.file_idx] = pq.ParquetFile(path)
+        try:
+            table = self._files[u.file_idx].read_row_group(u.row_group, columns=[USER_COLUMN, *self.columns])
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{path}: row group {u.row_group} unreadable: {e}") from None
+        table = table.slice(u.start, u.num_rows)
+        offsets = None
+        values = {}
+        for col in self.columns:
+            arr = table.column(col).combine_chunks()
+            off = arr.offsets.to_numpy().astype(np.int64)
+            if offsets is None:
+                offsets = off - off[0]
+            elif not np.array_equal(off - off[0], offsets):
+                raise ValueError(f"{path}: row group {u.row_group}: column {col!r} lengths differ from "
+                                 f"{self.columns[0]!r}")
+            values[col] = arr.values.to_numpy()[off[0] : off[-1]]
+        return _Rows(table.column(USER_COLUMN).to_numpy(), offsets, values)
+
+    def _row_batches(self, unit_ids: list[int], skip_rows: int, epoch: int) -> Iterator[tuple[_Rows, np.ndarray]]:
+        """The worker's row stream (units in order, rows permuted per unit) cut into batches
+        of `batch_size` (the last one short), after dropping the first `skip_rows` rows."""
+        bs = self.cfg.batch_size
+        carry: _Rows | None = None
+        for uid in unit_ids:
+            n = self.units[uid].num_rows
+            if skip_rows >= n:
+                skip_rows -= n
+                continue
+            rows = self._read_unit(uid)
+            perm = np.arange(n)
+            if self.cfg.shuffle:
+                perm = np.random.default_rng([self.cfg.seed, epoch, uid]).permutation(n)
+            perm, skip_rows = perm[skip_rows:], 0
+            pos = 0
+            if carry is not None:
+                pos = min(bs - carry.num_rows, len(perm))
+                carry = _Rows.concat(carry, rows.take(perm[:pos]))
+                if carry.num_rows < bs:
+                    continue
+                yield carry, np.arange(bs)
+                carry = None
+            while pos + bs <= len(perm):
+                yield rows, perm[pos : pos + bs]
+                pos += bs
+            if pos < len(perm):
+                carry = rows.take(perm[pos:])
+        if carry is not None and not self.cfg.drop_last:
+            yield carry, np.arange(carry.num_rows)
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        skip, limit = self.skip_batches[worker], self.limit_batches[worker]
+        if skip >= limit:
+            return
+        units = self.worker_units(self.epoch, self.rank, worker)
+        batches = self._row_batches(units, skip * self.cfg.batch_size, self.epoch)
+        g = self.rank * self.num_workers + worker
+        for j, (rows, idx) in zip(range(skip, limit), batches):
+            rng = np.random.default_rng([self.cfg.seed, self.epoch, g, j])
+            yield worker, j, collate(rows, idx, self.features, self.cfg, rng)
+
+
+def collate(rows: _Rows, idx_B: np.ndarray, features: FeatureSpec, cfg: LoaderConfig,
+            rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    """Cut the windows of rows `idx_B` and gather them into flat tensors (see `to_batch`)."""
+    n_B = np.diff(rows.offsets_N1)[idx_B]
+    end_B = rows.offsets_N1[idx_B] + n_B
+    L = cfg.max_seq_len
+    out = {"user_ids_B": rows.user_ids_N[idx_B]}
+    if cfg.mode == "eval":
+        hist_len_B = np.minimum(n_B - 1, L)
+        hist_end_B = end_B - 1
+        cand_len_B = np.ones_like(n_B)
+        out["targets_B"] = rows.values[features.item][end_B - 1]
+    else:
+        window_B = np.minimum(n_B, L)
+        if cfg.stochastic_length_prob > 0:
+            cut = (window_B > cfg.stochastic_length_min) & (rng.random(len(n_B)) < cfg.stochastic_length_prob)
+            sampled = rng.integers(cfg.stochastic_length_min, np.maximum(window_B, cfg.stochastic_length_min) + 1)
+            window_B = np.where(cut, sampled, window_B)
+        cand_len_B = np.zeros_like(n_B)
+        if cfg.mode == "ranking":
+            cand_len_B = np.clip(np.minimum(cfg.num_candidates, window_B - 1), 0, None)
+        hist_len_B = window_B - cand_len_B
+        hist_end_B = end_B - cand_len_B
+    hist_T = _ranges(hist_end_B - hist_len_B, hist_len_B)
+    out["history_lengths_B"] = hist_len_B
+    out["history_values_KT"] = np.concatenate([rows.values[k][hist_T] for k in features.sparse])
+    out["timestamps_T"] = rows.values[TS_COLUMN][hist_T]
+    if cfg.mode != "retrieval":
+        cand_C = _ranges(end_B - cand_len_B, cand_len_B)
+        out["candidate_lengths_B"] = cand_len_B
+        out["candidate_values_KC"] = np.concatenate([rows.values[k][cand_C] for k in features.sparse])
+        out["candidate_timestamps_C"] = rows.values[TS_COLUMN][cand_C]
+        labels = [rows.values[lab][cand_C] for lab in features.labels]
+        out["labels_CL"] = (np.stack(labels, axis=1) if labels else np.zeros((len(cand_C), 0))).astype(np.float32)
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
+
+
+def to_batch(payload: dict[str, torch.Tensor], features: FeatureSpec) -> Batch:
+    keys = list(features.sparse)
+    K = len(keys)
+    hist_len_B = payload["history_lengths_B"]
+    history = KeyedJaggedTensor(keys=keys, values=payload["history_values_KT"], lengths=hist_len_B.repeat(K))
+    candidates = None
+    if "candidate_lengths_B" in payload:
+        candidates = KeyedJaggedTensor(
+            keys=keys, values=payload["candidate_values_KC"], lengths=payload["candidate_lengths_B"].repeat(K)
+        )
+    return Batch(
+        user_ids_B=payload["user_ids_B"],
+        history=history,
+        timestamps_T=payload["timestamps_T"],
+        history_lengths_B=hist_len_B,
+        candidates=candidates,
+        candidate_timestamps_C=payload.get("candidate_timestamps_C"),
+        labels_CL=payload.get("labels_CL"),
+        targets_B=payload.get("targets_B"),
+    )
+
+
+def _identity(x):
+    return x
+
+
+class SequenceLoader:
+    """Iterates one epoch of `Batch`es per `iter()`, resuming mid-epoch after
+    `load_state_dict`. Built by `make_loader`."""
+
+    def __init__(self, split_dir, features: FeatureSpec, cfg: LoaderConfig, *, rank: int = 0, world_size: int = 1):
+        self.dataset = SequenceDataset(split_dir, features, cfg, rank=rank, world_size=world_size)
+        self.features = features
+        self.cfg = cfg
+        self.epoch = 0
+        self.batches_done = 0
+
+    def __len__(self) -> int:
+        return len(self.dataset.schedule(self.epoch))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.batches_done = epoch, 0
+
+    def state_dict(self) -> dict:
+        ds = self.dataset
+        return {"epoch": self.epoch, "batches_done": self.batches_done, "seed": self.cfg.seed,
+                "batch_size": self.cfg.batch_size, "rank": ds.rank, "world_size": ds.world_size,
+                "num_workers": self.cfg.num_workers}
+
+    def load_state_dict(self, state: dict) -> None:
+        ds = self.dataset
+        mine = {"seed": self.cfg.seed, "batch_size": self.cfg.batch_size, "rank": ds.rank,
+                "world_size": ds.world_size, "num_workers": self.cfg.num_workers}
+        for key, value in mine.items():
+            if state.get(key) != value:
+                raise ValueError(f"loader state: {key} = {state.get(key)!r} but this loader has {value!r}; "
+                                 "the saved position only means something for the same setting")
+        self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
+
+    def __iter__(self) -> Iterator[Batch]:
+        ds = self.dataset
+        sched = ds.schedule(self.epoch)
+        done = sched[: self.batches_done]
+        ds.epoch = self.epoch
+        ds.skip_batches = [int((done == w).sum()) for w in range(ds.num_workers)]
+        ds.limit_batches = [int((sched == w).sum()) for w in range(ds.num_workers)]
+        next_index = list(ds.skip_batches)
+        if self.cfg.num_workers == 0:
+            source = iter(ds)
+        else:
+            source = iter(DataLoader(ds, batch_size=None, num_workers=self.cfg.num_workers, collate_fn=_identity,
+                                     prefetch_factor=self.cfg.prefetch_factor))
+        pending: dict[tuple[int, int], dict] = {}
+        for k in range(self.batches_done, len(sched)):
+            w = int(sched[k])
+            key = (w, next_index[w])
+            # DataLoader delivers its own round-robin order, which differs after a resume:
+            # hold early arrivals until their turn (at most ~num_workers batches).
+            while key not in pending:
+                worker, j, payload = next(source)
+                pending[worker, j] = payload
+            payload = pending.pop(key)
+            next_index[w] += 1
+            self.batches_done = k + 1
+            yield to_batch(payload, self.features)
+        self.epoch, self.batches_done = self.epoch + 1, 0
+
+
+def make_loader(split_dir: str | os.PathLike, features: FeatureSpec, cfg: LoaderConfig, *, rank: int = 0,
+                world_size: int = 1) -> SequenceLoader:
+    """The loader of one rank over a prepared split directory (e.g. `out_dir / "train"`)."""
+    return SequenceLoader(split_dir, features, cfg, rank=rank, world_size=world_size)
+
+
+def _validate_cfg(cfg: LoaderConfig, rank: int, world_size: int) -> None:
+    if cfg.batch_size < 1:
+        raise ValueError(f"loader.batch_size must be >= 1, got {cfg.batch_size}")
+    if cfg.max_seq_len < 1:
+        raise ValueError(f"loader.max_seq_len must be >= 1, got {cfg.max_seq_len}")
+    if cfg.mode not in ("retrieval", "ranking", "eval"):
+        raise ValueError(f"loader.mode must be retrieval, ranking or eval, got {cfg.mode!r}")
+    if cfg.mode == "ranking" and cfg.num_candidates < 1:
+        raise ValueError(f"loader.num_candidates must be >= 1 in ranking mode, got {cfg.num_candidates}")
+    if not 0.0 <= cfg.stochastic_length_prob <= 1.0:
+        raise ValueError(f"loader.stochastic_length_prob must be in [0, 1], got {cfg.stochastic_length_prob}")
+    if cfg.stochastic_length_min < 1:
+        raise ValueError(f"loader.stochastic_length_min must be >= 1, got {cfg.stochastic_length_min}")
+    if cfg.num_workers < 0:
+        raise ValueError(f"loader.num_workers must be >= 0, got {cfg.num_workers}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world_size {world_size}")
