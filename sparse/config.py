@@ -1,0 +1,76 @@
+"""Configuration of the sparse side: one `TableConfig` per embedding table, one `SparseConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class TableConfig:
+    """One embedding table: its features, rows, optimizer, admission, eviction and tiers."""
+
+    name: str
+    """Table name; also names its snapshot files and its SSD sub-directory."""
+    embedding_dim: int
+    """Row width D."""
+    feature_names: list[str]
+    """KJT keys that read this table (several features may share one table)."""
+    num_embeddings: int | None = None
+    """Upper bound on ids (ids must be in [0, num_embeddings)); None = unbounded int64 ids."""
+    dtype: Literal["fp32"] = "fp32"
+    """Storage dtype of rows and optimizer state (fp32 only: the exactness contract)."""
+    seed: int = 0
+    """Table seed: row `id` is initialized from (seed, id) alone, whatever arrives first."""
+    initializer: Literal["uniform", "normal", "zeros"] = "uniform"
+    """Row initializer."""
+    init_scale: float | None = None
+    """uniform: bound a of U(-a, a); normal: std. None = sqrt(1 / num_embeddings) when
+    bounded (TorchRec's default), else 0.01."""
+    optimizer: Literal["rowwise_adagrad", "adam", "sgd"] = "rowwise_adagrad"
+    """Sparse optimizer applied in backward to touched rows only."""
+    learning_rate: float = 0.01
+    """Step size."""
+    eps: float = 1e-8
+    """Adagrad / Adam epsilon (FBGEMM's default 1e-8)."""
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+    beta2: float = 0.999
+    """Adam second-moment decay."""
+    weight_decay: float = 0.0
+    """L2 weight decay added to the gradient (FBGEMM WeightDecayMode.L2)."""
+    admit_min_count: int = 1
+    """An id gets a row once it has been seen this many times in training forwards
+    (1 = admit at first sight)."""
+    admit_probability: float = 1.0
+    """Each sighting of an unadmitted id admits it with this probability (deterministic
+    in (seed, id, sighting number), so independent of sharding)."""
+    default_row: Literal["zeros", "init"] = "zeros"
+    """What unadmitted (or, in eval, unknown) ids read: zeros, or the id's would-be
+    initial row. They never receive updates."""
+    cache_policy: Literal["lru", "lfu"] = "lru"
+    """Which rows leave the device / host caches first (and are dropped under max_rows)."""
+    ttl_seconds: int | None = None
+    """Rows not updated for this many seconds of event time are dropped from every tier."""
+    max_rows: int | None = None
+    """Cap on materialized rows of this table on one rank; rows past it are dropped by
+    `cache_policy`. None = unlimited (the SSD tier grows)."""
+    device_rows: int = 65536
+    """Device cache capacity in rows (CUDA memory on GPU, process memory on CPU)."""
+    host_rows: int = 1 << 20
+    """Host DRAM cache capacity in rows; rows beyond device + host go to the SSD tier."""
+
+
+@dataclass(kw_only=True)
+class SparseConfig:
+    """The whole sparse side: tables and store-wide settings."""
+
+    tables: list[TableConfig] = field(default_factory=list)
+    """Embedding tables."""
+    ssd_dir: str | None = None
+    """Directory for the SSD tier (one sub-directory per table and rank). None = a fresh
+    temporary directory, deleted at exit."""
+    ssd_slab_rows: int = 1 << 18
+    """Rows per memory-mapped slab file of the SSD tier."""
+    device: str = "cpu"
+    """Device of the device tier and of the outputs ("cpu" or "cuda")."""

@@ -1,0 +1,163 @@
+"""Stable 64-bit hashing and a vectorized open-addressing hash map held in tensors.
+
+Everything here is plain torch int64 arithmetic (wrapping multiplication, masked
+logical shifts), so results are identical across processes, machines and world sizes:
+sharding (`owner_rank`), initialization (`uniform01`) and the id index all build on it.
+
+Legend: N = number of query ids, C = table capacity (a power of two).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """Reinterpret an unsigned 64-bit Python int as a signed int64 constant."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MUL1 = _i64(0xBF58476D1CE4E5B9)
+_MUL2 = _i64(0x94D049BB133111EB)
+
+
+def _lshr(x: torch.Tensor, k: int) -> torch.Tensor:
+    # torch's >> on int64 is arithmetic; mask off the sign-extended bits for a logical shift.
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def splitmix64(x_N: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finalizer of int64 inputs; int64 output (all 64 bits used)."""
+    z = x_N.to(torch.int64) + _GOLDEN
+    z = (z ^ _lshr(z, 30)) * _MUL1
+    z = (z ^ _lshr(z, 27)) * _MUL2
+    return z ^ _lshr(z, 31)
+
+
+def owner_rank(ids_N: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Rank that owns each id: splitmix64(id) mod world_size (stable across runs)."""
+    if world_size == 1:
+        return torch.zeros_like(ids_N)
+    return _lshr(splitmix64(ids_N), 1) % world_size
+
+
+def uniform01(seed: int, ids_N: torch.Tensor, num_columns: int) -> torch.Tensor:
+    """float64 [N, num_columns] uniforms in [0, 1), a pure function of (seed, id, column)."""
+    base_N1 = splitmix64(ids_N.to(torch.int64) ^ splitmix64(torch.tensor([seed]))).unsqueeze(1)
+    cols_1K = torch.arange(num_columns, dtype=torch.int64).unsqueeze(0) * _GOLDEN
+    bits_NK = _lshr(splitmix64(base_N1 + cols_1K), 11)  # top 53 bits -> exact in float64
+    return bits_NK.to(torch.float64) * (1.0 / (1 << 53))
+
+
+EMPTY = -1
+TOMBSTONE = -2
+
+
+class TensorHashMap:
+    """int64 key -> int64 value map with linear probing, every operation vectorized.
+
+    Keys must be >= 0 (EMPTY and TOMBSTONE are negative). Deletion leaves tombstones;
+    the map rehashes itself when live + tombstones pass 1/2 of the capacity, so probe
+    chains stay short (the probe loop runs max-chain-length times, not once per key).
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        cap = 1 << max(4, (max(capacity, 1) * 2 - 1).bit_length())
+        self.keys_C = torch.full((cap,), EMPTY, dtype=torch.int64)
+        self.values_C = torch.zeros(cap, dtype=torch.int64)
+        self.num_live = 0
+        self.num_tombstones = 0
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys_C.numel())
+
+    def __len__(self) -> int:
+        return self.num_live
+
+    def _home(self, keys_N: torch.Tensor) -> torch.Tensor:
+        return _lshr(splitmix64(keys_N), 1) & (self.capacity - 1)
+
+    def find_slots(self, keys_N: torch.Tensor) -> torch.Tensor:
+        """Slot index of each key in the table, -1 where absent."""
+        slots_N = torch.full_like(keys_N, -1)
+        if keys_N.numel() == 0 or self.num_live == 0:
+            return slots_N
+        mask = self.capacity - 1
+        pos_P = self._home(keys_N)
+        pending_P = torch.arange(keys_N.numel())
+        want_P = keys_N
+        while pending_P.numel() > 0:
+            found_P = self.keys_C[pos_P]
+            hit_P = found_P == want_P
+            slots_N[pending_P[hit_P]] = pos_P[hit_P]
+            # Stop at EMPTY (absent); keep probing past tombstones and other keys.
+            keep_P = ~hit_P & (found_P != EMPTY)
+            pending_P, want_P, pos_P = pending_P[keep_P], want_P[keep_P], (pos_P[keep_P] + 1) & mask
+        return slots_N
+
+    def get(self, keys_N: torch.Tensor, default: int = -1) -> torch.Tensor:
+        slots_N = self.find_slots(keys_N)
+        out_N = torch.full_like(keys_N, default)
+        ok_N = slots_N >= 0
+        out_N[ok_N] = self.values_C[slots_N[ok_N]]
+        return out_N
+
+    def insert_new(self, keys_N: torch.Tensor, values_N: torch.Tensor) -> None:
+        """Insert keys known to be absent and unique."""
+        n = int(keys_N.numel())
+        if n == 0:
+            return
+        if (self.num_live + self.num_tombstones + n) * 2 > self.capacity:
+            self._rehash(self.num_live + n)
+        mask = self.capacity - 1
+        pos_P = self._home(keys_N)
+        want_P, val_P = keys_N, values_N
+        while want_P.numel() > 0:
+            free_P = self.keys_C[pos_P] < 0
+            # Several pending keys may target the same free slot: write, read back, and
+            # let the losers probe on.
+            cand = free_P.nonzero().squeeze(1)
+            was_tomb_P = self.keys_C[pos_P[cand]] == TOMBSTONE
+            self.keys_C[pos_P[cand]] = want_P[cand]
+            won_c = self.keys_C[pos_P[cand]] == want_P[cand]
+            won_idx = cand[won_c]
+            self.values_C[pos_P[won_idx]] = val_P[won_idx]
+            self.num_tombstones -= int(was_tomb_P[won_c].sum())
+            done_P = torch.zeros_like(free_P)
+            done_P[won_idx] = True
+            keep_P = ~done_P
+            want_P, val_P, pos_P = want_P[keep_P], val_P[keep_P], (pos_P[keep_P] + 1) & mask
+        self.num_live += n
+
+    def set_existing(self, slots_N: torch.Tensor, values_N: torch.Tensor) -> None:
+        self.values_C[slots_N] = values_N
+
+    def remove_slots(self, slots_N: torch.Tensor) -> None:
+        if slots_N.numel() == 0:
+            return
+        self.keys_C[slots_N] = TOMBSTONE
+        self.num_live -= int(slots_N.numel())
+        self.num_tombstones += int(slots_N.numel())
+
+    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
+        live_C = self.keys_C >= 0
+        return self.keys_C[live_C], self.values_C[live_C]
+
+    def clear(self) -> None:
+        self.keys_C.fill_(EMPTY)
+        self.num_live = 0
+        self.num_tombstones = 0
+
+    def _rehash(self, min_live: int) -> None:
+        keys_L, values_L = self.items()
+        cap = 1 << max(4, (max(min_live, 1) * 4 - 1).bit_length())  # load <= 1/4 after rehash
+        self.keys_C = torch.full((cap,), EMPTY, dtype=torch.int64)
+        self.values_C = torch.zeros(cap, dtype=torch.int64)
+        self.num_live = 0
+        self.num_tombstones = 0
+        self.insert_new(keys_L, values_L)

@@ -1,0 +1,79 @@
+"""Sparse optimizers on packed rows, and the deterministic row initializer.
+
+A stored row is `[values (D) | optimizer state (S)]` in one fp32 tensor row, so moving a
+row between tiers moves its state with it in one copy and a row is never torn from its
+state.
+
+    rowwise_adagrad  S = 1       [sum of mean squared gradients]   (FBGEMM EXACT_ROWWISE_ADAGRAD)
+    adam             S = 2D + 1  [m (D), v (D), per-row step]
+    sgd              S = 0
+
+Legend: U = unique rows in the batch, D = embedding dim, W = D + S.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import TableConfig
+from .hashing import uniform01
+
+
+def state_width(cfg: TableConfig) -> int:
+    return {"rowwise_adagrad": 1, "adam": 2 * cfg.embedding_dim + 1, "sgd": 0}[cfg.optimizer]
+
+
+def row_width(cfg: TableConfig) -> int:
+    return cfg.embedding_dim + state_width(cfg)
+
+
+def init_scale(cfg: TableConfig) -> float:
+    if cfg.init_scale is not None:
+        return cfg.init_scale
+    return math.sqrt(1.0 / cfg.num_embeddings) if cfg.num_embeddings else 0.01
+
+
+def initial_values(cfg: TableConfig, ids_U: torch.Tensor) -> torch.Tensor:
+    """fp32 [U, D] initial row values: a pure function of (table seed, id)."""
+    d = cfg.embedding_dim
+    if cfg.initializer == "zeros" or ids_U.numel() == 0:
+        return torch.zeros(ids_U.numel(), d)
+    a = init_scale(cfg)
+    if cfg.initializer == "uniform":
+        return ((uniform01(cfg.seed, ids_U, d) * 2.0 - 1.0) * a).to(torch.float32)
+    u_UK = uniform01(cfg.seed, ids_U, 2 * d)  # Box-Muller on two uniform streams
+    r = torch.sqrt(-2.0 * torch.log1p(-u_UK[:, :d]))
+    return (r * torch.cos(2.0 * math.pi * u_UK[:, d:]) * a).to(torch.float32)
+
+
+def initial_rows(cfg: TableConfig, ids_U: torch.Tensor) -> torch.Tensor:
+    """fp32 [U, W]: initial values with zero optimizer state."""
+    rows_UW = torch.zeros(ids_U.numel(), row_width(cfg))
+    rows_UW[:, : cfg.embedding_dim] = initial_values(cfg, ids_U)
+    return rows_UW
+
+
+def apply_update(cfg: TableConfig, rows_UW: torch.Tensor, grad_UD: torch.Tensor) -> None:
+    """Update packed rows in place from their summed gradients (one optimizer step each)."""
+    d = cfg.embedding_dim
+    w_UD = rows_UW[:, :d]
+    if cfg.weight_decay:
+        grad_UD = grad_UD + cfg.weight_decay * w_UD
+    if cfg.optimizer == "rowwise_adagrad":
+        # FBGEMM: momentum += mean(g^2); w -= lr / (sqrt(momentum) + eps) * g.
+        mom_U = rows_UW[:, d]
+        mom_U.add_(grad_UD.square().mean(dim=1))
+        mult_U = cfg.learning_rate / (mom_U.sqrt() + cfg.eps)
+        w_UD.sub_(grad_UD * mult_U.unsqueeze(1))
+    elif cfg.optimizer == "sgd":
+        w_UD.sub_(grad_UD * cfg.learning_rate)
+    else:  # adam with a per-row step count (lazy Adam: rows not seen do not decay)
+        m_UD, v_UD, step_U = rows_UW[:, d : 2 * d], rows_UW[:, 2 * d : 3 * d], rows_UW[:, 3 * d]
+        step_U.add_(1.0)
+        m_UD.mul_(cfg.beta1).add_(grad_UD * (1 - cfg.beta1))
+        v_UD.mul_(cfg.beta2).add_(grad_UD.square() * (1 - cfg.beta2))
+        bc1_U1 = (1 - torch.pow(cfg.beta1, step_U)).unsqueeze(1)
+        bc2_U1 = (1 - torch.pow(cfg.beta2, step_U)).unsqueeze(1)
+        w_UD.sub_(cfg.learning_rate * (m_UD / bc1_U1) / ((v_UD / bc2_U1).sqrt() + cfg.eps))

@@ -1,0 +1,290 @@
+"""One table's rows on one rank: id index, admission, three tiers, eviction, TTL, updates.
+
+Tiers are exclusive: a materialized row lives in exactly one of device (tier 0), host
+(tier 1) or SSD (tier 2), and the id index maps id -> (slot << 2 | tier). A training
+lookup brings every row of the batch up to the device tier (up to its capacity),
+pushing the policy's worst rows down one tier (a host eviction writes the row back to
+the SSD tier). Rows touched in the current step are never chosen as victims.
+
+Legend: U = unique ids in a call, W = packed row width (values + optimizer state).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import optim
+from .config import TableConfig
+from .hashing import TensorHashMap, splitmix64, uniform01
+from .tiers import META_FREQ, META_LAST_ACCESS, META_LAST_UPDATE, NUM_META, Tier
+
+_I64_MAX = (1 << 63) - 1
+TIER_NAMES = ("device", "host", "ssd")
+
+
+class TableStore:
+    def __init__(self, cfg: TableConfig, ssd_prefix: str, slab_rows: int, device: torch.device) -> None:
+        self.cfg = cfg
+        self.dim = cfg.embedding_dim
+        self.width = optim.row_width(cfg)
+        self.device = device
+        cpu = torch.device("cpu")
+        self.tiers = [
+            Tier("device", self.width, cfg.device_rows, device),
+            Tier("host", self.width, cfg.host_rows, cpu),
+            Tier("ssd", self.width, None, cpu, path_prefix=ssd_prefix, slab_rows=slab_rows),
+        ]
+        self.index = TensorHashMap()
+        self.pending = TensorHashMap()  # unadmitted id -> sightings so far
+        self.step = 0
+        self.last_sweep = None
+        self.hits = [0, 0, 0]
+        self.misses = 0
+
+    # ---------------------------------------------------------------- locating rows
+    def _locate(self, ids_U: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loc_U = self.index.get(ids_U)
+        return loc_U & 3, loc_U >> 2  # (tier, slot); tier 3 / slot -1 where absent
+
+    def _read(self, tier_U, slot_U, with_rows: bool = True):
+        rows_UW = torch.empty(tier_U.numel(), self.width, device=self.device) if with_rows else None
+        meta_U3 = torch.empty(tier_U.numel(), NUM_META, dtype=torch.int64)
+        for t, tier in enumerate(self.tiers):
+            pos = (tier_U == t).nonzero().squeeze(1)
+            if pos.numel():
+                if with_rows:
+                    rows_UW[pos.to(self.device)] = tier.rows.gather(slot_U[pos]).to(self.device)
+                meta_U3[pos] = tier.meta.gather(slot_U[pos])
+        return rows_UW, meta_U3
+
+    def _set_loc(self, ids_N: torch.Tensor, slots_N: torch.Tensor, t: int) -> None:
+        idx_N = self.index.find_slots(ids_N)
+        loc_N = (slots_N << 2) | t
+        have = idx_N >= 0
+        self.index.set_existing(idx_N[have], loc_N[have])
+        self.index.insert_new(ids_N[~have], loc_N[~have])
+
+    def _remove(self, ids_N, tier_N, slot_N) -> None:
+        self.index.remove_slots(self.index.find_slots(ids_N))
+        for t, tier in enumerate(self.tiers):
+            tier.free(slot_N[tier_N == t])
+
+    def _score(self, meta_N3: torch.Tensor) -> torch.Tensor:
+        """Eviction priority: lower leaves first."""
+        if self.cfg.cache_policy == "lfu":
+            return meta_N3[:, META_FREQ] * (1 << 31) + meta_N3[:, META_LAST_ACCESS]
+        return meta_N3[:, META_LAST_ACCESS]
+
+    # ---------------------------------------------------------------- placement
+    def _victims(self, tier: Tier, k: int) -> torch.Tensor:
+        if tier.num_slots == 0 or k <= 0:
+            return torch.empty(0, dtype=torch.int64)
+        meta_S3 = tier.all_meta()
+        ids_S = torch.cat([s.view(-1) for s in tier.ids.slabs])
+        score_S = self._score(meta_S3)
+        protected_S = (ids_S < 0) | (meta_S3[:, META_LAST_ACCESS] >= self.step)
+        score_S = score_S.masked_fill(protected_S, _I64_MAX)
+        k = min(k, int((~protected_S).sum()))
+        return torch.topk(score_S, k, largest=False).indices if k else torch.empty(0, dtype=torch.int64)
+
+    def _place(self, ids_N, rows_NW, meta_N3, t: int) -> None:
+        """Put rows (absent from every tier slot, maybe present in the index) into tier t,
+        cascading victims and overflow downwards."""
+        n = int(ids_N.numel())
+        if n == 0:
+            return
+        tier = self.tiers[t]
+        if not tier.growable:
+            free = tier.num_free()
+            if n > free:
+                victims = self._victims(tier, n - free)
+                if victims.numel():
+                    v_ids = tier.ids.gather(victims).squeeze(1)
+                    v_rows, v_meta = tier.rows.gather(victims), tier.meta.gather(victims)
+                    tier.free(victims)
+                    self._place(v_ids, v_rows, v_meta, t + 1)
+                free = tier.num_free()
+            if free < n:
+                # Keep the best-scoring incoming rows here; the rest go one tier down.
+                order = torch.argsort(self._score(meta_N3), descending=True, stable=True)
+                rest = order[free:]
+                self._place(ids_N[rest], rows_NW[rest.to(rows_NW.device)], meta_N3[rest], t + 1)
+                keep = order[:free]
+                ids_N, rows_NW, meta_N3 = ids_N[keep], rows_NW[keep.to(rows_NW.device)], meta_N3[keep]
+                n = free
+            if n == 0:
+                return
+        slots_N = tier.alloc(n)
+        tier.write(slots_N, ids_N, rows_NW, meta_N3)
+        self._set_loc(ids_N, slots_N, t)
+
+    def _promote(self, ids_P, tier_P, slot_P, rows_PW, meta_P3) -> None:
+        """Move rows found below the device tier up to it (freeing their old slots)."""
+        for t in (1, 2):
+            self.tiers[t].free(slot_P[tier_P == t])
+        self._place(ids_P, rows_PW, meta_P3, 0)
+
+    # ---------------------------------------------------------------- admission / TTL
+    def _admit(self, ids_N: torch.Tensor, counts_N: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        if cfg.admit_min_count <= 1 and cfg.admit_probability >= 1.0:
+            return torch.ones_like(ids_N, dtype=torch.bool)
+        slots_N = self.pending.find_slots(ids_N)
+        prev_N = torch.where(slots_N >= 0, self.pending.values_C[slots_N.clamp(min=0)], 0)
+        total_N = prev_N + counts_N
+        ok_N = total_N >= cfg.admit_min_count
+        if cfg.admit_probability < 1.0:
+            # One deterministic draw per (id, sightings so far): P(admit) = 1 - (1-p)^count.
+            u_N = uniform01(cfg.seed + 0x51ED, splitmix64(ids_N) ^ prev_N, 1)[:, 0]
+            ok_N &= u_N < 1.0 - (1.0 - cfg.admit_probability) ** counts_N.to(torch.float64)
+        have = slots_N >= 0
+        self.pending.set_existing(slots_N[have & ~ok_N], total_N[have & ~ok_N])
+        self.pending.insert_new(ids_N[~have & ~ok_N], total_N[~have & ~ok_N])
+        self.pending.remove_slots(slots_N[have & ok_N])
+        return ok_N
+
+    def _expired(self, meta_N3: torch.Tensor, now: int | None) -> torch.Tensor:
+        if self.cfg.ttl_seconds is None or now is None:
+            return torch.zeros(meta_N3.shape[0], dtype=torch.bool)
+        return meta_N3[:, META_LAST_UPDATE] < now - self.cfg.ttl_seconds
+
+    def expire(self, now: int) -> int:
+        """Drop every row (any tier) not updated within ttl_seconds before `now`."""
+        if self.cfg.ttl_seconds is None:
+            return 0
+        dropped = 0
+        for t, tier in enumerate(self.tiers):
+            slots_S, ids_S = tier.used_slots()
+            if slots_S.numel() == 0:
+                continue
+            old = self._expired(tier.meta.gather(slots_S), now)
+            self._remove(ids_S[old], torch.full_like(ids_S[old], t), slots_S[old])
+            dropped += int(old.sum())
+        self.last_sweep = now
+        return dropped
+
+    def _enforce_max_rows(self) -> None:
+        cap = self.cfg.max_rows
+        if cap is None or self.num_rows <= cap:
+            return
+        parts = [(t, *tier.used_slots()) for t, tier in enumerate(self.tiers)]
+        tier_N = torch.cat([torch.full_like(s, t) for t, s, _ in parts])
+        slot_N = torch.cat([s for _, s, _ in parts])
+        ids_N = torch.cat([i for _, _, i in parts])
+        _, meta_N3 = self._read(tier_N, slot_N, with_rows=False)
+        score_N = self._score(meta_N3).masked_fill(meta_N3[:, META_LAST_ACCESS] >= self.step, _I64_MAX)
+        drop = torch.topk(score_N, min(self.num_rows - cap, int((score_N < _I64_MAX).sum())), largest=False).indices
+        self._remove(ids_N[drop], tier_N[drop], slot_N[drop])
+
+    # ---------------------------------------------------------------- public ops
+    @property
+    def num_rows(self) -> int:
+        return sum(t.num_used for t in self.tiers)
+
+    def default_values(self, ids_N: torch.Tensor) -> torch.Tensor:
+        if self.cfg.default_row == "init":
+            return optim.initial_values(self.cfg, ids_N).to(self.device)
+        return torch.zeros(ids_N.numel(), self.dim, device=self.device)
+
+    def lookup_train(self, ids_U: torch.Tensor, counts_U: torch.Tensor, now: int | None):
+        """Rows of unique ids for a training forward. Returns (values [U, D], admitted [U])."""
+        self.step += 1
+        ttl = self.cfg.ttl_seconds
+        if ttl is not None and now is not None and (self.last_sweep is None or now - self.last_sweep >= max(ttl // 4, 1)):
+            self.expire(now)
+        tier_U, slot_U = self._locate(ids_U)
+        exists_U = slot_U >= 0
+        ex = exists_U.nonzero().squeeze(1)
+        rows_EW, meta_E3 = self._read(tier_U[ex], slot_U[ex])
+        old = self._expired(meta_E3, now)
+        if old.any():  # lazily expired since the last sweep: drop, then treat as new
+            self._remove(ids_U[ex[old]], tier_U[ex[old]], slot_U[ex[old]])
+            exists_U[ex[old]] = False
+            ex, rows_EW, meta_E3 = ex[~old], rows_EW[~old.to(rows_EW.device)], meta_E3[~old]
+        for t in range(3):
+            self.hits[t] += int((tier_U[ex] == t).sum())
+        admitted_U = exists_U.clone()
+        new = (~exists_U).nonzero().squeeze(1)
+        if new.numel():
+            admitted_U[new] = self._admit(ids_U[new], counts_U[new])
+            new = new[admitted_U[new]]
+            self.misses += int(new.numel())
+        # Working set: existing rows then new rows, with their access metadata refreshed.
+        ws = torch.cat([ex, new])
+        new_meta = torch.zeros(new.numel(), NUM_META, dtype=torch.int64)
+        new_meta[:, META_LAST_UPDATE] = now if now is not None else 0
+        meta_A3 = torch.cat([meta_E3, new_meta])
+        meta_A3[:, META_LAST_ACCESS] = self.step
+        meta_A3[:, META_FREQ] += counts_U[ws]
+        rows_AW = torch.cat([rows_EW, optim.initial_rows(self.cfg, ids_U[new]).to(self.device)])
+        values_UD = torch.empty(ids_U.numel(), self.dim, device=self.device)
+        values_UD[ws.to(self.device)] = rows_AW[:, : self.dim]
+        rejected = (~admitted_U).nonzero().squeeze(1)
+        if rejected.numel():
+            values_UD[rejected.to(self.device)] = self.default_values(ids_U[rejected])
+        # Device-resident rows: refresh metadata in place. Others move up.
+        tier_A = torch.cat([tier_U[ex], torch.full_like(new, 3)])
+        on_dev = tier_A == 0
+        self.tiers[0].meta.scatter(slot_U[ws[on_dev]], meta_A3[on_dev])
+        up = (~on_dev).nonzero().squeeze(1)
+        self._promote(ids_U[ws[up]], tier_A[up], slot_U[ws[up]], rows_AW[up.to(self.device)], meta_A3[up])
+        self._enforce_max_rows()
+        return values_UD, admitted_U
+
+    def lookup_eval(self, ids_U: torch.Tensor, now: int | None) -> torch.Tensor:
+        """Read-only lookup: unknown or expired ids read the default row."""
+        tier_U, slot_U = self._locate(ids_U)
+        ex = (slot_U >= 0).nonzero().squeeze(1)
+        rows_EW, meta_E3 = self._read(tier_U[ex], slot_U[ex])
+        live = ~self._expired(meta_E3, now)
+        values_UD = self.default_values(ids_U)
+        values_UD[ex[live].to(self.device)] = rows_EW[live.to(self.device), : self.dim]
+        return values_UD
+
+    def prefetch(self, ids_U: torch.Tensor) -> None:
+        """Bring existing rows of upcoming ids to the device tier (values untouched)."""
+        tier_U, slot_U = self._locate(ids_U)
+        up = ((slot_U >= 0) & (tier_U > 0)).nonzero().squeeze(1)
+        if up.numel():
+            rows_PW, meta_P3 = self._read(tier_U[up], slot_U[up])
+            self._promote(ids_U[up], tier_U[up], slot_U[up], rows_PW, meta_P3)
+
+    def apply_grad(self, ids_A: torch.Tensor, grad_AD: torch.Tensor, now: int | None) -> None:
+        """One optimizer step on each row from its summed gradient, wherever it lives now."""
+        tier_A, slot_A = self._locate(ids_A)
+        for t, tier in enumerate(self.tiers):
+            pos = (tier_A == t).nonzero().squeeze(1)
+            if pos.numel() == 0:
+                continue
+            slots = slot_A[pos]
+            rows_PW = tier.rows.gather(slots).to(self.device)
+            optim.apply_update(self.cfg, rows_PW, grad_AD[pos.to(grad_AD.device)].to(rows_PW.dtype))
+            tier.rows.scatter(slots, rows_PW)
+            if self.cfg.ttl_seconds is not None and now is not None:
+                meta_P3 = tier.meta.gather(slots)
+                meta_P3[:, META_LAST_UPDATE] = now
+                tier.meta.scatter(slots, meta_P3)
+
+    # ---------------------------------------------------------------- bulk (snapshots)
+    def all_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids [N], rows [N, W], meta [N, 3]) of every materialized row."""
+        parts = [(t, *tier.used_slots()) for t, tier in enumerate(self.tiers)]
+        tier_N = torch.cat([torch.full_like(s, t) for t, s, _ in parts])
+        slot_N = torch.cat([s for _, s, _ in parts])
+        ids_N = torch.cat([i for _, _, i in parts])
+        rows_NW, meta_N3 = self._read(tier_N, slot_N)
+        return ids_N, rows_NW.cpu(), meta_N3
+
+    def clear(self) -> None:
+        for t, tier in enumerate(self.tiers):
+            slots, _ = tier.used_slots()
+            tier.free(slots)
+        self.index.clear()
+        self.pending.clear()
+
+    def load_rows(self, ids_N, rows_NW, meta_N3) -> None:
+        """Replace the contents with these rows; the policy's best rows go to the fastest tiers."""
+        self.clear()
+        saved_step, self.step = self.step, _I64_MAX  # nothing is protected while loading
+        self._place(ids_N, rows_NW.to(self.device), meta_N3, 0)
+        self.step = saved_step
