@@ -1,0 +1,602 @@
+"""Offline-evaluation metrics: streaming accumulators fed by batches of scores.
+
+Shape legend: B users in a batch, N items in the full corpus, C ranking candidates in a
+batch (all users together), L ranking tasks, U users seen so far, R bootstrap resamples.
+
+Retrieval (full corpus, leave-one-out): each user has one held-out target item. The model
+scores all N items; the items the user has already seen are removed from the ranking (the
+target itself is never removed), and the 0-based rank of the target decides the metrics.
+
+    scores_BN = [[0.9, 0.1, 0.5, 0.5],      target_idx_B = [2, 0]
+                 [0.2, 0.8, 0.3, 0.1]]      exclude = [[0, -1], [1, 2]]  (padded with -1)
+    user 0: item 0 is seen and removed; item 3 ties with the target (0.5): pessimistic -> rank 1
+    user 1: items 1, 2 removed; nothing left scores >= 0.2 except the target -> rank 0
+
+    rank_B = [1, 0];  HR@1 = 0.5, NDCG@1 = 0.5, MRR = (1/2 + 1) / 2 = 0.75
+
+Tie rule (retrieval): pessimistic. Every other non-excluded item whose score is >= the
+target's counts as ranked above it, so a model that outputs a constant gets the worst rank,
+not the best, and ranks are integers (HR@K stays a 0/1 per user). NaN scores are rejected;
+-inf is allowed (e.g. to mask padding items) and ties with other -inf items the same way.
+
+Per-user formulas, r the 0-based rank: HR@K = [r < K]; NDCG@K = [r < K] / log2(r + 2) (one
+relevant item, so the ideal DCG is 1); MRR = 1 / (r + 1), not truncated at any K.
+
+Ranking (per task, e.g. click / conversion), over candidates with 0/1 labels:
+- AUC: Mann-Whitney U with average ranks, i.e. a positive tied with a negative gets half
+  credit (the same as the trapezoidal ROC area).
+- GAUC: per-user AUC weighted by that user's impressions; users whose candidates are all one
+  class have no AUC and are skipped and counted (`gauc_skipped_users`).
+- log loss with probabilities clipped to [1e-7, 1 - 1e-7]; NE = log loss / entropy of the base
+  rate (null when the base rate is 0 or 1); calibration = sum(pred) / sum(label) (null with no
+  positives); a reliability curve over `num_bins` equal-width bins [low, high) of [0, 1].
+
+Undefined metrics (no users, one class only) are None, never NaN, so they go to JSON as null.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+LOG_LOSS_EPS = 1e-7
+"""Probabilities are clipped to [eps, 1 - eps] before the log so one confident mistake gives a
+large finite loss instead of inf."""
+
+
+# --------------------------------------------------------------------------- retrieval
+
+
+def _exclude_mask_BN(exclude: Any, num_users: int, num_items: int, device: torch.device) -> torch.Tensor:
+    """Turn the accepted `exclude` forms into a bool [B, N] mask (True = removed)."""
+    if isinstance(exclude, tuple):
+        values_S, offsets_B1 = (torch.as_tensor(x, device=device) for x in exclude)
+        if offsets_B1.numel() != num_users + 1:
+            raise ValueError(
+                f"exclude: jagged offsets have {offsets_B1.numel()} entries, expected B + 1 = {num_users + 1}"
+            )
+        rows_S = torch.repeat_interleave(torch.arange(num_users, device=device), offsets_B1.diff())
+        cols_S = values_S.long()
+    elif exclude.dtype == torch.bool:
+        if tuple(exclude.shape) != (num_users, num_items):
+            raise ValueError(f"exclude: bool mask has shape {tuple(exclude.shape)}, expected {(num_users, num_items)}")
+        return exclude.to(device)
+    else:
+        if exclude.dim() != 2 or exclude.shape[0] != num_users:
+            raise ValueError(f"exclude: padded indices have shape {tuple(exclude.shape)}, expected [B={num_users}, S]")
+        exclude = exclude.to(device).long()
+        rows_S = torch.arange(num_users, device=device)[:, None].expand_as(exclude)[exclude >= 0]
+        cols_S = exclude[exclude >= 0]
+    if cols_S.numel() and (int(cols_S.min()) < 0 or int(cols_S.max()) >= num_items):
+        raise ValueError(f"exclude: item index out of range [0, {num_items})")
+    mask_BN = torch.zeros(num_users, num_items, dtype=torch.bool, device=device)
+    # A duplicate seen item (the same item twice in a history) just sets the bit twice.
+    mask_BN[rows_S, cols_S] = True
+    return mask_BN
+
+
+def rank_of_target(
+    scores_BN: torch.Tensor,
+    target_idx_B: torch.Tensor,
+    exclude: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """0-based rank of each user's target among all items, seen items removed.
+
+    `exclude` (the user's already-seen items) is one of: a bool [B, N] mask; int [B, S] item
+    indices padded with negative values; or a jagged pair (values_S, offsets_B1). The target
+    is never excluded even if listed. Ties are pessimistic (see the module docstring).
+    Returns int64 [B] on the scores' device.
+    """
+    if scores_BN.dim() != 2:
+        raise ValueError(f"scores_BN must be 2-D [B, N], got shape {tuple(scores_BN.shape)}")
+    num_users, num_items = scores_BN.shape
+    target_idx_B = target_idx_B.to(scores_BN.device).long()
+    if target_idx_B.shape != (num_users,):
+        raise ValueError(f"target_idx_B has shape {tuple(target_idx_B.shape)}, expected ({num_users},)")
+    if num_users and (int(target_idx_B.min()) < 0 or int(target_idx_B.max()) >= num_items):
+        raise ValueError(f"target_idx_B: item index out of range [0, {num_items})")
+    if torch.isnan(scores_BN).any():
+        raise ValueError("scores_BN contains NaN")
+    target_B1 = scores_BN.gather(1, target_idx_B[:, None])
+    beats_BN = scores_BN >= target_B1
+    if exclude is None:
+        # The target always ties with itself, hence the -1.
+        return beats_BN.sum(1) - 1
+    mask_BN = _exclude_mask_BN(exclude, num_users, num_items, scores_BN.device)
+    beats_BN &= ~mask_BN
+    # Only subtract the target's self-tie when the mask did not already remove it; this keeps
+    # "the target is never excluded" without copying the caller's mask.
+    target_kept_B = ~mask_BN.gather(1, target_idx_B[:, None]).squeeze(1)
+    return beats_BN.sum(1) - target_kept_B.long()
+
+
+def retrieval_values_from_ranks(ranks_U: np.ndarray | torch.Tensor, ks: Sequence[int]) -> dict[str, np.ndarray]:
+    """Per-user metric values (float64 [U]) keyed `hr@K`, `ndcg@K`, `mrr`."""
+    ranks_U = np.asarray(torch.as_tensor(ranks_U).cpu(), dtype=np.float64)
+    out: dict[str, np.ndarray] = {}
+    for k in ks:
+        hit_U = ranks_U < k
+        out[f"hr@{k}"] = hit_U.astype(np.float64)
+        out[f"ndcg@{k}"] = np.where(hit_U, 1.0 / np.log2(ranks_U + 2.0), 0.0)
+    out["mrr"] = 1.0 / (ranks_U + 1.0)
+    return out
+
+
+class RetrievalMetrics:
+    """Streaming HR@K / NDCG@K / MRR over users. Memory: one int64 rank per user (kept for the
+    bootstrap and slices when `keep_ranks`), never scores.
+
+    >>> m = RetrievalMetrics(ks=(10, 50, 200))
+    >>> m.update(scores_BN, target_idx_B, exclude=seen_idx_BS)   # per batch
+    >>> m.compute()  # {"count": U, "hr@10": ..., "ndcg@10": ..., ..., "mrr": ...}
+    """
+
+    def __init__(self, ks: Sequence[int] = (10, 50, 200), keep_ranks: bool = True):
+        if not ks or any(int(k) < 1 for k in ks):
+            raise ValueError(f"ks must be positive cutoffs, got {list(ks)}")
+        self.ks = tuple(int(k) for k in ks)
+        self.keep_ranks = keep_ranks
+        self.count = 0
+        # Float64 running sums: a float32 sum of ~1e7 per-user values would lose digits.
+        self._sums = {name: 0.0 for name in self.metric_names}
+        self._rank_chunks: list[np.ndarray] = []
+
+    @property
+    def metric_names(self) -> list[str]:
+        return [f"{m}@{k}" for k in self.ks for m in ("hr", "ndcg")] + ["mrr"]
+
+    def update(
+        self,
+        scores_BN: torch.Tensor,
+        target_idx_B: torch.Tensor,
+        exclude: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Rank the targets (see `rank_of_target`), accumulate, and return the ranks (int64 [B],
+        on CPU) so the caller can feed the same ranks to a `SlicedMetrics`."""
+        ranks_B = rank_of_target(scores_BN, target_idx_B, exclude).cpu()
+        self.update_ranks(ranks_B)
+        return ranks_B
+
+    def update_ranks(self, ranks_B: torch.Tensor | np.ndarray) -> None:
+        ranks_B = np.asarray(torch.as_tensor(ranks_B).cpu(), dtype=np.int64).reshape(-1)
+        if ranks_B.size and ranks_B.min() < 0:
+            raise ValueError("update_ranks: ranks must be >= 0 (0-based)")
+        for name, values_B in retrieval_values_from_ranks(ranks_B, self.ks).items():
+            self._sums[name] += float(values_B.sum())
+        self.count += int(ranks_B.size)
+        if self.keep_ranks:
+            self._rank_chunks.append(ranks_B)
+
+    def merge(self, other: "RetrievalMetrics") -> None:
+        """Add another accumulator's users (e.g. gathered from another rank)."""
+        if other.ks != self.ks:
+            raise ValueError(f"merge: ks differ ({self.ks} vs {other.ks})")
+        for name in self._sums:
+            self._sums[name] += other._sums[name]
+        self.count += other.count
+        self._rank_chunks.extend(other._rank_chunks)
+
+    def ranks(self) -> np.ndarray:
+        """int64 [U]: every user's rank, in update order."""
+        if not self.keep_ranks:
+            raise ValueError("RetrievalMetrics(keep_ranks=False) keeps no per-user ranks")
+        return np.concatenate(self._rank_chunks) if self._rank_chunks else np.zeros(0, dtype=np.int64)
+
+    def per_user(self) -> dict[str, np.ndarray]:
+        """Per-user values [U] per metric, for `bootstrap_ci` / `paired_bootstrap`."""
+        return retrieval_values_from_ranks(self.ranks(), self.ks)
+
+    def compute(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"count": self.count}
+        for name, total in self._sums.items():
+            out[name] = total / self.count if self.count else None
+        return out
+
+
+# --------------------------------------------------------------------------- ranking
+
+
+def _average_ranks_within_groups(group_S: np.ndarray, scores_S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sort by (group, score) and give each element its 1-based rank inside its group, tied
+    scores sharing the average rank. Returns (order_S, ranks_S) with ranks in sorted order."""
+    order_S = np.lexsort((scores_S, group_S))
+    g_S, s_S = group_S[order_S], scores_S[order_S]
+    n = len(order_S)
+    pos_S = np.arange(n, dtype=np.float64)
+    group_start_S = np.r_[True, g_S[1:] != g_S[:-1]] if n else np.zeros(0, dtype=bool)
+    tie_start_S = group_start_S | np.r_[True, s_S[1:] != s_S[:-1]] if n else group_start_S
+    # Position of the first element of each user, broadcast to the user's elements.
+    first_of_group_S = pos_S[group_start_S][np.cumsum(group_start_S) - 1]
+    tie_id_S = np.cumsum(tie_start_S) - 1
+    tie_first = pos_S[tie_start_S]
+    tie_last = np.r_[tie_first[1:] - 1, n - 1] if n else tie_first
+    avg_pos_S = ((tie_first + tie_last) / 2.0)[tie_id_S]
+    return order_S, avg_pos_S - first_of_group_S + 1.0
+
+
+def _per_group_auc(group_S: np.ndarray, scores_S: np.ndarray, labels_S: np.ndarray):
+    """Mann-Whitney AUC per group. Returns (groups_G, auc_G with NaN for one-class groups,
+    count_G)."""
+    order_S, ranks_S = _average_ranks_within_groups(group_S, scores_S)
+    g_S, y_S = group_S[order_S], labels_S[order_S]
+    groups_G, inverse_S, count_G = np.unique(g_S, return_inverse=True, return_counts=True)
+    pos_G = np.bincount(inverse_S, weights=y_S, minlength=len(groups_G))
+    neg_G = count_G - pos_G
+    rank_sum_pos_G = np.bincount(inverse_S, weights=ranks_S * y_S, minlength=len(groups_G))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        auc_G = (rank_sum_pos_G - pos_G * (pos_G + 1) / 2.0) / (pos_G * neg_G)
+    auc_G[(pos_G == 0) | (neg_G == 0)] = np.nan
+    return groups_G, auc_G, count_G
+
+
+def binary_auc(scores_S: np.ndarray, labels_S: np.ndarray) -> float | None:
+    """Mann-Whitney AUC, ties get half credit; None when only one class is present."""
+    scores_S = np.asarray(scores_S, dtype=np.float64)
+    _, auc, _ = _per_group_auc(np.zeros(len(scores_S), dtype=np.int64), scores_S, np.asarray(labels_S, np.float64))
+    return None if len(auc) == 0 or np.isnan(auc[0]) else float(auc[0])
+
+
+def _entropy(p: float) -> float:
+    return -(p * math.log(p) + (1.0 - p) * math.log(1.0 - p))
+
+
+def _none_if_nan(x: float) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+def ranking_task_metrics(
+    user_ids_S: np.ndarray, probs_S: np.ndarray, labels_S: np.ndarray, num_bins: int = 10
+) -> dict[str, Any]:
+    """All ranking metrics of one task over flat arrays (see the module docstring)."""
+    n = int(len(probs_S))
+    out: dict[str, Any] = {"count": n, "positives": int(labels_S.sum()) if n else 0}
+    edges = np.linspace(0.0, 1.0, num_bins + 1)
+    # Bins are [low, high), the last one [low, 1]; searching the edge array (not p * num_bins)
+    # keeps a prediction of exactly 0.3 in the bin that starts at 0.3.
+    bin_S = np.searchsorted(edges[1:-1], probs_S, side="right")
+    bin_count = np.bincount(bin_S, minlength=num_bins)
+    bin_pred = np.bincount(bin_S, weights=probs_S, minlength=num_bins)
+    bin_pos = np.bincount(bin_S, weights=labels_S, minlength=num_bins)
+    out["reliability"] = [
+        {
+            "bin_low": float(edges[i]),
+            "bin_high": float(edges[i + 1]),
+            "count": int(bin_count[i]),
+            "mean_pred": float(bin_pred[i] / bin_count[i]) if bin_count[i] else None,
+            "observed": float(bin_pos[i] / bin_count[i]) if bin_count[i] else None,
+        }
+        for i in range(num_bins)
+    ]
+    if n == 0:
+        out.update(auc=None, gauc=None, gauc_users=0, gauc_skipped_users=0, logloss=None, ne=None,
+                   base_rate=None, mean_pred=None, calibration=None)
+        return out
+    base_rate = float(labels_S.mean())
+    p_S = np.clip(probs_S, LOG_LOSS_EPS, 1.0 - LOG_LOSS_EPS)
+    logloss = float(-(labels_S * np.log(p_S) + (1.0 - labels_S) * np.log1p(-p_S)).mean())
+    _, auc_G, count_G = _per_group_auc(user_ids_S, probs_S, labels_S)
+    valid_G = ~np.isnan(auc_G)
+    out.update(
+        auc=binary_auc(probs_S, labels_S),
+        gauc=float((auc_G[valid_G] * count_G[valid_G]).sum() / count_G[valid_G].sum()) if valid_G.any() else None,
+        gauc_users=int(valid_G.sum()),
+        gauc_skipped_users=int((~valid_G).sum()),
+        logloss=logloss,
+        ne=logloss / _entropy(base_rate) if 0.0 < base_rate < 1.0 else None,
+        base_rate=base_rate,
+        mean_pred=float(probs_S.mean()),
+        calibration=float(probs_S.sum() / labels_S.sum()) if labels_S.sum() > 0 else None,
+    )
+    return out
+
+
+class RankingMetrics:
+    """Streaming multi-task ranking metrics. AUC and GAUC are exact, so every candidate's
+    (user, prob, label) is kept: 8 + 9 * L bytes per candidate, only the ranking candidates
+    (never the full-corpus retrieval scores).
+
+    >>> m = RankingMetrics(tasks=["click", "conversion"])
+    >>> m.update(user_ids_C, probs_CL, labels_CL)   # user_ids_C: the user of each candidate
+    >>> m.compute()  # {"click": {"auc": ..., "gauc": ..., "ne": ..., ...}, "conversion": {...}}
+    """
+
+    def __init__(self, tasks: Sequence[str] = ("click", "conversion"), num_bins: int = 10):
+        if not tasks:
+            raise ValueError("RankingMetrics needs at least one task")
+        self.tasks = list(tasks)
+        self.num_bins = num_bins
+        self._users: list[np.ndarray] = []
+        self._probs: list[np.ndarray] = []
+        self._labels: list[np.ndarray] = []
+
+    def update(self, user_ids_C: torch.Tensor, probs_CL: torch.Tensor, labels_CL: torch.Tensor) -> None:
+        probs_CL = np.asarray(torch.as_tensor(probs_CL).detach().cpu(), dtype=np.float64)
+        labels_CL = np.asarray(torch.as_tensor(labels_CL).detach().cpu(), dtype=np.float64)
+        user_ids_C = np.asarray(torch.as_tensor(user_ids_C).cpu(), dtype=np.int64).reshape(-1)
+        if probs_CL.ndim == 1 and len(self.tasks) == 1:
+            probs_CL, labels_CL = probs_CL[:, None], labels_CL.reshape(-1, 1)
+        expected = (len(user_ids_C), len(self.tasks))
+        if probs_CL.shape != expected or labels_CL.shape != expected:
+            raise ValueError(
+                f"probs_CL {probs_CL.shape} and labels_CL {labels_CL.shape} must both be [C, L] = {expected} "
+                f"for tasks {self.tasks}"
+            )
+        for j, task in enumerate(self.tasks):
+            p, y = probs_CL[:, j], labels_CL[:, j]
+            if not np.isfinite(p).all():
+                raise ValueError(f"task '{task}': predicted probabilities contain NaN or inf")
+            if ((p < 0.0) | (p > 1.0)).any():
+                raise ValueError(f"task '{task}': predicted probabilities outside [0, 1] (pass probabilities, not logits)")
+            if not ((y == 0.0) | (y == 1.0)).all():
+                bad = y[~((y == 0.0) | (y == 1.0))][0]
+                raise ValueError(f"task '{task}': labels must be 0 or 1, got {bad}")
+        self._users.append(user_ids_C)
+        self._probs.append(probs_CL)
+        self._labels.append(labels_CL.astype(np.int8))
+
+    def merge(self, other: "RankingMetrics") -> None:
+        if other.tasks != self.tasks:
+            raise ValueError(f"merge: tasks differ ({self.tasks} vs {other.tasks})")
+        self._users += other._users
+        self._probs += other._probs
+        self._labels += other._labels
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not self._users:
+            num_tasks = len(self.tasks)
+            return np.zeros(0, np.int64), np.zeros((0, num_tasks)), np.zeros((0, num_tasks))
+        return (np.concatenate(self._users), np.concatenate(self._probs),
+                np.concatenate(self._labels).astype(np.float64))
+
+    def compute(self) -> dict[str, dict[str, Any]]:
+        users, probs, labels = self._arrays()
+        return {
+            task: ranking_task_metrics(users, probs[:, j], labels[:, j], self.num_bins)
+            for j, task in enumerate(self.tasks)
+        }
+
+    def per_user(self, task: str) -> dict[str, np.ndarray]:
+        """Per-user sums [U] for the bootstrap (users sorted by id): `user_ids`, `count`,
+        `logloss_sum`, `pred_sum`, `label_sum`, and `auc` (NaN for one-class users).
+        GAUC is bootstrapped as sum(auc * count) / sum(count) over users with an AUC."""
+        if task not in self.tasks:
+            raise ValueError(f"unknown task '{task}', expected one of {self.tasks}")
+        users, probs, labels = self._arrays()
+        p_S, y_S = probs[:, self.tasks.index(task)], labels[:, self.tasks.index(task)]
+        groups_U, auc_U, count_U = _per_group_auc(users, p_S, y_S)
+        inverse_S = np.searchsorted(groups_U, users)
+        pc_S = np.clip(p_S, LOG_LOSS_EPS, 1.0 - LOG_LOSS_EPS)
+        loss_S = -(y_S * np.log(pc_S) + (1.0 - y_S) * np.log1p(-pc_S))
+        size = len(groups_U)
+        return {
+            "user_ids": groups_U,
+            "count": count_U.astype(np.float64),
+            "logloss_sum": np.bincount(inverse_S, weights=loss_S, minlength=size),
+            "pred_sum": np.bincount(inverse_S, weights=p_S, minlength=size),
+            "label_sum": np.bincount(inverse_S, weights=y_S, minlength=size),
+            "auc": auc_U,
+        }
+
+
+# --------------------------------------------------------------------------- slices
+
+
+def new_vs_returning(train_event_counts_B: torch.Tensor | np.ndarray) -> np.ndarray:
+    """'new' for users with no training events, 'returning' otherwise."""
+    counts = np.asarray(torch.as_tensor(train_event_counts_B).cpu())
+    return np.where(counts > 0, "returning", "new")
+
+
+USER_TYPE_VALUES = ["new", "returning"]
+
+
+def bucket_labels(edges: Sequence[int]) -> list[str]:
+    """Labels for integer buckets split at `edges`: (5, 20) -> ['0-4', '5-19', '20+']."""
+    lows = [0, *edges]
+    return [f"{lo}-{hi - 1}" for lo, hi in zip(lows[:-1], edges)] + [f"{lows[-1]}+"]
+
+
+def length_buckets(lengths_B: torch.Tensor | np.ndarray, edges: Sequence[int] = (5, 20, 50, 200)) -> np.ndarray:
+    """History-length bucket label per user, from `bucket_labels(edges)`."""
+    if list(edges) != sorted(set(edges)) or (edges and edges[0] <= 0):
+        raise ValueError(f"history-length bucket edges must be strictly increasing and > 0, got {list(edges)}")
+    lengths = np.asarray(torch.as_tensor(lengths_B).cpu())
+    return np.asarray(bucket_labels(edges), dtype=object)[np.searchsorted(np.asarray(edges), lengths, side="right")]
+
+
+POPULARITY_VALUES = ["head", "torso", "tail"]
+
+
+def popularity_buckets(train_counts_N: torch.Tensor | np.ndarray, head_mass: float = 0.5,
+                       torso_mass: float = 0.8) -> np.ndarray:
+    """Bucket every item by train popularity: 'head' holds the most popular items that make up
+    the first `head_mass` of training interactions, 'torso' those up to `torso_mass`, 'tail' the
+    rest (including never-seen items). Items with equal counts always share a bucket, because
+    the cut is a count threshold. Returns object [N]; index it with item indices."""
+    if not 0.0 < head_mass <= torso_mass <= 1.0:
+        raise ValueError(f"need 0 < head_mass <= torso_mass <= 1, got {head_mass}, {torso_mass}")
+    counts = np.asarray(torch.as_tensor(train_counts_N).cpu(), dtype=np.float64)
+    out = np.full(len(counts), "tail", dtype=object)
+    total = counts.sum()
+    if total <= 0:
+        return out
+    desc = np.sort(counts)[::-1]
+    cum_share = np.cumsum(desc) / total
+
+    def threshold(mass: float) -> float:
+        # The count of the item at which the cumulative share first reaches `mass`.
+        return desc[min(int(np.searchsorted(cum_share, mass - 1e-12)), len(desc) - 1)]
+
+    torso_threshold = max(threshold(torso_mass), np.finfo(np.float64).tiny)
+    out[counts >= torso_threshold] = "torso"
+    out[counts >= threshold(head_mass)] = "head"
+    return out
+
+
+class SlicedMetrics:
+    """One accumulator per (slice column, value), fed row-aligned slice labels.
+
+    >>> sliced = SlicedMetrics(lambda: RetrievalMetrics(ks=(10,)), method="update_ranks",
+    ...                        columns={"user_type": USER_TYPE_VALUES, "country": None})
+    >>> sliced.update({"user_type": new_vs_returning(train_counts_B), "country": country_B}, ranks_B)
+    >>> sliced.compute()  # {"user_type": {"new": {...}, "returning": {...}}, "country": {...}}
+
+    A declared value list (e.g. head / torso / tail) makes each value appear in `compute()` even
+    with no rows (count 0, null metrics); None means an open categorical column whose values
+    are taken as they come. A value outside a declared list is a ValueError.
+    """
+
+    def __init__(self, make_metrics: Callable[[], Any], columns: Mapping[str, Sequence[str] | None],
+                 method: str = "update"):
+        self.make_metrics = make_metrics
+        self.method = method
+        self.columns = {name: (list(values) if values is not None else None) for name, values in columns.items()}
+        self.metrics: dict[str, dict[str, Any]] = {name: {} for name in columns}
+
+    def update(self, slices: Mapping[str, Any], *rows: Any) -> None:
+        """`slices[column]` holds one label per row; `rows` are the accumulator's `method`
+        arguments, each indexed along its first dimension."""
+        if set(slices) != set(self.columns):
+            raise ValueError(f"slices: got columns {sorted(slices)}, expected {sorted(self.columns)}")
+        num_rows = len(rows[0])
+        for column, labels in slices.items():
+            labels = np.asarray(labels.cpu() if isinstance(labels, torch.Tensor) else labels).astype(str)
+            if len(labels) != num_rows:
+                raise ValueError(f"slice column '{column}': {len(labels)} labels for {num_rows} rows")
+            declared = self.columns[column]
+            for value in map(str, np.unique(labels)):
+                if declared is not None and value not in declared:
+                    raise ValueError(f"slice column '{column}': value '{value}' is not one of {declared}")
+                idx = torch.from_numpy(np.flatnonzero(labels == value))
+                acc = self.metrics[column].get(value)
+                if acc is None:
+                    acc = self.metrics[column][value] = self.make_metrics()
+                getattr(acc, self.method)(*(_take(r, idx) for r in rows))
+
+    def accumulator(self, column: str, value: str) -> Any:
+        """The accumulator of one slice (a fresh, empty one if the slice has no rows yet)."""
+        if value not in self.metrics[column]:
+            self.metrics[column][value] = self.make_metrics()
+        return self.metrics[column][value]
+
+    def compute(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for column, declared in self.columns.items():
+            values = declared if declared is not None else sorted(self.metrics[column])
+            out[column] = {value: self.accumulator(column, value).compute() for value in values}
+        return out
+
+
+def _take(rows: Any, idx: torch.Tensor) -> Any:
+    if isinstance(rows, np.ndarray):
+        return rows[idx.numpy()]
+    return rows[idx.to(rows.device)]
+
+
+# --------------------------------------------------------------------------- baseline
+
+
+def item_counts(train_item_idx: torch.Tensor, num_items: int) -> torch.Tensor:
+    """int64 [N]: how often each item index occurs in the training events."""
+    train_item_idx = torch.as_tensor(train_item_idx).long().reshape(-1)
+    if train_item_idx.numel() and (int(train_item_idx.min()) < 0 or int(train_item_idx.max()) >= num_items):
+        raise ValueError(f"train_item_idx: item index out of range [0, {num_items})")
+    return torch.bincount(train_item_idx, minlength=num_items)
+
+
+class PopularityScorer:
+    """Most-popular baseline: every user gets the same scores, higher for items seen more in
+    training. Equal counts are broken by lower item index so that the pessimistic tie rule
+    does not punish the baseline for ties it did not choose; scores are distinct integers
+    (N - position in the popularity order), exact in float32 up to 2**24 items.
+
+    >>> pop = PopularityScorer(item_counts(train_items, num_items))
+    >>> baseline.update(pop.scores(batch_size), target_idx_B, exclude=seen)
+    """
+
+    def __init__(self, train_counts_N: torch.Tensor):
+        counts = torch.as_tensor(train_counts_N).long()
+        order = torch.sort(-counts, stable=True).indices
+        self.scores_N = torch.empty(len(counts), dtype=torch.float32)
+        self.scores_N[order] = torch.arange(len(counts), 0, -1, dtype=torch.float32)
+
+    def scores(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[B, N] view (no copy) of the shared score row."""
+        return self.scores_N.to(device)[None, :].expand(batch_size, -1)
+
+
+# --------------------------------------------------------------------------- bootstrap
+
+
+def _resample_sums(columns_UM: np.ndarray, num_resamples: int, seed: int) -> np.ndarray:
+    """[R, M]: column sums over R resamples of the U users drawn with replacement. Each
+    resample is a count vector (how often each user was drawn), generated in chunks so that
+    memory stays at ~8M entries whatever U and R are."""
+    num_users = columns_UM.shape[0]
+    rng = np.random.default_rng(seed)
+    out = np.empty((num_resamples, columns_UM.shape[1]))
+    chunk = max(1, min(num_resamples, 8_000_000 // max(num_users, 1)))
+    for start in range(0, num_resamples, chunk):
+        stop = min(start + chunk, num_resamples)
+        rows = stop - start
+        # Offset each resample's draws into its own block so one bincount counts them all.
+        draws = rng.integers(0, num_users, size=(rows, num_users)) + (np.arange(rows) * num_users)[:, None]
+        counts_RU = np.bincount(draws.ravel(), minlength=rows * num_users).reshape(rows, num_users)
+        out[start:stop] = counts_RU.astype(np.float64) @ columns_UM
+    return out
+
+
+def _as_columns(numer_U: Any, denom_U: Any | None) -> np.ndarray:
+    numer = np.asarray(numer_U, dtype=np.float64).reshape(-1)
+    denom = np.ones_like(numer) if denom_U is None else np.asarray(denom_U, dtype=np.float64).reshape(-1)
+    if numer.shape != denom.shape:
+        raise ValueError(f"bootstrap: numerator has {numer.size} users, denominator {denom.size}")
+    if not (np.isfinite(numer).all() and np.isfinite(denom).all()):
+        raise ValueError("bootstrap: per-user values contain NaN or inf (drop users without a value first)")
+    return np.stack([numer, denom], axis=1)
+
+
+def bootstrap_ci(numer_U: Any, denom_U: Any | None = None, num_resamples: int = 1000,
+                 confidence: float = 0.95, seed: int = 0) -> dict[str, Any]:
+    """Percentile bootstrap CI of sum(numer) / sum(denom) resampling users (denom None: the
+    mean). HR/NDCG/MRR: numer = per-user value. GAUC: numer = auc * count, denom = count.
+    Log loss: numer = logloss_sum, denom = count. Deterministic for a seed."""
+    cols = _as_columns(numer_U, denom_U)
+    if cols.shape[0] == 0:
+        return {"estimate": None, "low": None, "high": None, "confidence": confidence, "num_resamples": num_resamples}
+    sums_R2 = _resample_sums(cols, num_resamples, seed)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        stats_R = sums_R2[:, 0] / sums_R2[:, 1]
+    alpha = (1.0 - confidence) / 2.0
+    low, high = np.nanquantile(stats_R, [alpha, 1.0 - alpha])
+    return {"estimate": float(cols[:, 0].sum() / cols[:, 1].sum()), "low": float(low), "high": float(high),
+            "confidence": confidence, "num_resamples": num_resamples}
+
+
+def paired_bootstrap(numer_a_U: Any, numer_b_U: Any, denom_a_U: Any | None = None, denom_b_U: Any | None = None,
+                     num_resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> dict[str, Any]:
+    """Paired bootstrap of (metric A - metric B) over the same users (row u of both arrays is
+    the same user): each resample draws users once and recomputes both metrics on them.
+    p_value is two-sided, from the null-centred resamples: the share of |d* - d| >= |d|,
+    with the +1 correction so it is never 0."""
+    a, b = _as_columns(numer_a_U, denom_a_U), _as_columns(numer_b_U, denom_b_U)
+    if a.shape != b.shape:
+        raise ValueError(f"paired_bootstrap: model A has {a.shape[0]} users, model B {b.shape[0]}; "
+                         "both must be evaluated on the same users in the same order")
+    if a.shape[0] == 0:
+        return {"diff": None, "low": None, "high": None, "p_value": None, "confidence": confidence,
+                "num_resamples": num_resamples}
+    sums_R4 = _resample_sums(np.concatenate([a, b], axis=1), num_resamples, seed)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        diffs_R = sums_R4[:, 0] / sums_R4[:, 1] - sums_R4[:, 2] / sums_R4[:, 3]
+    diff = float(a[:, 0].sum() / a[:, 1].sum() - b[:, 0].sum() / b[:, 1].sum())
+    alpha = (1.0 - confidence) / 2.0
+    low, high = np.nanquantile(diffs_R, [alpha, 1.0 - alpha])
+    extreme = int((np.abs(diffs_R - diff) >= abs(diff) - 1e-15).sum())
+    return {"diff": diff, "low": float(low), "high": float(high),
+            "p_value": min(1.0, (extreme + 1) / (num_resamples + 1)),
+            "confidence": confidence, "num_resamples": num_resamples}
