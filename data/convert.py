@@ -29,7 +29,7 @@ Criteo is anonymized and has no user or ad key. Mapping (overridable by argument
     C1..C26     the 32-bit hex hash parsed to int64 (0..2**32-1); empty -> CRITEO_MISSING_ID (2**32),
                 a row of its own that no hex value can take
     I1..I13     bucketized counts: empty -> 0; x <= 2 -> x + 3 (x clamped at -2, so 1..5);
-                x > 2 -> 6 + floor(ln(x) ** 2)  (the Kaggle winners' transform)
+                x > 2 -> 5 + floor(ln(x) ** 2) (>= 6; the Kaggle winners' transform)
     click       the label (int8); action = 1 for a clicked row, else 0
 """
 
@@ -309,7 +309,7 @@ def _bucketize(values: pa.Array) -> np.ndarray:
     x = pc.fill_null(values, 0).to_numpy().astype(np.int64)
     small = np.maximum(x, -2) + 3
     with np.errstate(divide="ignore", invalid="ignore"):
-        large = 6 + np.floor(np.log(np.maximum(x, 3).astype(np.float64)) ** 2).astype(np.int64)
+        large = 5 + np.floor(np.log(np.maximum(x, 3).astype(np.float64)) ** 2).astype(np.int64)
     return np.where(~valid, 0, np.where(x <= 2, small, large))
 
 
