@@ -1,0 +1,272 @@
+"""prepare: split layouts against a plain-Python reference, out-of-core equivalence,
+manifest, atomic output, and every bad-input error."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from genrec.data.config import FeatureSpec
+from genrec.data.prepare import SplitConfig, load_manifest, prepare
+from genrec.data.schema import hash_string_id
+
+from seqdata_helpers import AD_FEATURES, random_log, write_log
+
+
+def read_split(out: Path, split: str) -> dict[int, dict]:
+    rows = ds.dataset(out / split).to_table().to_pylist()
+    by_user = {r["user_id"]: r for r in rows}
+    assert len(by_user) == len(rows), "a user appears twice in one split"
+    return by_user
+
+
+def reference_sequences(table: pa.Table) -> dict[int, list[dict]]:
+    """user -> events sorted by ts (ties in row order), the specification of pass 1 + 2."""
+    seqs = defaultdict(list)
+    for row in table.to_pylist():
+        seqs[row["user_id"]].append(row)
+    return {u: sorted(ev, key=lambda r: r["ts"]) for u, ev in seqs.items()}
+
+
+def assert_row(row: dict, events: list[dict], features: FeatureSpec) -> None:
+    for col in [*features.sparse, "ts", *features.labels]:
+        assert row[col] == [e[col] for e in events], col
+
+
+def no_leftovers(parent: Path) -> bool:
+    return not any(p.name.startswith(".") for p in parent.iterdir())
+
+
+def test_leave_one_out_layout_matches_reference(tmp_path):
+    table = random_log(120, 3000, seed=3)
+    # A few short users: 1 and 2 events.
+    short = pa.table({"user_id": [5, 6, 6], "ts": [10, 20, 30], "item_id": [1, 2, 3], "action": [0, 1, 0],
+                      "advertiser_id": [0, 0, 0], "click": pa.array([0, 1, 0], pa.int8()),
+                      "conversion": pa.array([0, 0, 0], pa.int8())})
+    table = pa.concat_tables([table, short.cast(table.schema)])
+    write_log(table, tmp_path / "log", num_files=3, row_group_size=700)
+    out = tmp_path / "out"
+    manifest = prepare(tmp_path / "log" / "*.parquet", out, AD_FEATURES, SplitConfig(), num_shards=2,
+                       progress=False)
+    ref = reference_sequences(table)
+    train, valid, test = (read_split(out, s) for s in ("train", "valid", "test"))
+    for user, events in ref.items():
+        if len(events) < 3:
+            assert_row(train[user], events, AD_FEATURES)
+            assert user not in valid and user not in test
+        else:
+            assert_row(train[user], events[:-2], AD_FEATURES)
+            assert_row(valid[user], events[:-1], AD_FEATURES)
+            assert_row(test[user], events, AD_FEATURES)
+    assert set(train) == set(ref)
+    counts = manifest["counts"]
+    assert counts["users"] == len(ref) and counts["source_events"] == table.num_rows
+    assert counts["users_train_only"] == sum(len(e) < 3 for e in ref.values()) == 2
+    assert counts["rows"] == {"train": len(train), "valid": len(valid), "test": len(test)}
+    assert counts["events"]["test"] == sum(len(r["ts"]) for r in test.values())
+    # items: every train event counted once.
+    items = pq.read_table(out / "items.parquet").to_pylist()
+    expected = Counter(i for r in train.values() for i in r["item_id"])
+    assert {r["item_id"]: r["count"] for r in items} == dict(expected)
+    assert [r["count"] for r in items] == sorted((r["count"] for r in items), reverse=True)
+    assert counts["items"] == len(expected)
+    # Output schema is what the manifest says.
+    schema = pq.read_schema(out / "test" / "part-00000.parquet")
+    assert schema.field("user_id").type == pa.int64()
+    assert schema.field("item_id").type == pa.list_(pa.int64())
+    assert schema.field("click").type == pa.list_(pa.int8())
+    assert schema.names == ["user_id", *AD_FEATURES.sparse, "ts", *AD_FEATURES.labels]
+
+
+def test_time_split_layout(tmp_path):
+    #           user 1: history before T, target in valid window, target in test window
+    #           user 2: nothing before T (no valid row: no history), one event in each window
+    #           user 3: only train events
+    rows = [(1, 100, 11), (1, 150, 12), (1, 210, 13), (1, 220, 14), (1, 300, 15), (1, 310, 16),
+            (2, 230, 21), (2, 400, 22), (3, 50, 31), (3, 60, 32)]
+    table = pa.table({"user_id": [r[0] for r in rows], "ts": [r[1] for r in rows],
+                      "item_id": [r[2] for r in rows], "action": [1] * len(rows),
+                      "click": pa.array([1] * len(rows), pa.int8())})
+    pq.write_table(table, tmp_path / "log.parquet")
+    features = FeatureSpec(sparse=["item_id", "action"], labels=["click"])
+    split = SplitConfig(kind="time", train_cutoff_ts=200, valid_cutoff_ts=250)
+    manifest = prepare(tmp_path / "log.parquet", tmp_path / "out", features, split, progress=False)
+    train, valid, test = (read_split(tmp_path / "out", s) for s in ("train", "valid", "test"))
+    assert {u: r["item_id"] for u, r in train.items()} == {1: [11, 12], 3: [31, 32]}
+    assert {u: r["item_id"] for u, r in valid.items()} == {1: [11, 12, 13]}
+    # test history = everything before V (including the valid window), target = first event >= V.
+    assert {u: r["item_id"] for u, r in test.items()} == {1: [11, 12, 13, 14, 15], 2: [21, 22]}
+    assert manifest["counts"]["eval_users_without_history"] == {"valid": 1, "test": 0}
+    assert manifest["split"]["valid_cutoff_ts"] == 250
+
+    # Without a valid cutoff: no valid rows; test target = first event >= T; user 2 has no history.
+    split = SplitConfig(kind="time", train_cutoff_ts=200)
+    manifest = prepare(tmp_path / "log.parquet", tmp_path / "out2", features, split, progress=False)
+    assert read_split(tmp_path / "out2", "valid") == {}
+    assert {u: r["item_id"] for u, r in read_split(tmp_path / "out2", "test").items()} == {1: [11, 12, 13]}
+    assert manifest["counts"]["eval_users_without_history"]["test"] == 1
+
+
+def test_string_ids_are_hashed_and_ints_pass_through(tmp_path):
+    table = pa.table({"user_id": ["alice", "alice", "alice", "bob"], "ts": [3, 1, 2, 5],
+                      "item_id": ["x", "y", "z", "x"], "action": [1, 2, 3, 4],
+                      "click": pa.array([True, False, True, False])})
+    pq.write_table(table, tmp_path / "log.parquet")
+    features = FeatureSpec(sparse=["item_id", "action"], labels=["click"])
+    prepare(tmp_path / "log.parquet", tmp_path / "out", features, SplitConfig(), progress=False)
+    test = read_split(tmp_path / "out", "test")
+    row = test[hash_string_id("alice")]
+    assert row["item_id"] == [hash_string_id(s) for s in ("y", "z", "x")]
+    assert row["action"] == [2, 3, 1] and row["ts"] == [1, 2, 3] and row["click"] == [0, 1, 1]
+    assert hash_string_id("bob") in read_split(tmp_path / "out", "train")
+
+
+def test_bucket_count_does_not_change_output(tmp_path):
+    """The out-of-core path (many spill buckets) gives the same rows as a single bucket,
+    and the same input gives byte-identical output."""
+    write_log(random_log(200, 5000, seed=4), tmp_path / "log", num_files=2, row_group_size=333)
+    outs = {}
+    for n in (1, 37):
+        prepare(tmp_path / "log", tmp_path / f"out{n}", AD_FEATURES, SplitConfig(), num_shards=3,
+                num_buckets=n, progress=False)
+        outs[n] = {s: read_split(tmp_path / f"out{n}", s) for s in ("train", "valid", "test")}
+    assert outs[1] == outs[37]
+    again = prepare(tmp_path / "log", tmp_path / "again", AD_FEATURES, SplitConfig(), num_shards=3,
+                    num_buckets=37, progress=False)
+    assert again["outputs"] == load_manifest(tmp_path / "out37")["outputs"]
+
+
+def test_manifest_checksums_and_atomic_overwrite(tmp_path):
+    paths = write_log(random_log(50, 800, seed=5), tmp_path / "log", num_files=2)
+    out = tmp_path / "out"
+    manifest = prepare(paths, out, AD_FEATURES, SplitConfig(), num_shards=2, progress=False)
+    assert load_manifest(out) == json.loads((out / "manifest.json").read_text()) == manifest
+    for src in manifest["sources"]:
+        assert src["sha256"] == hashlib.sha256(Path(src["path"]).read_bytes()).hexdigest()
+        assert src["size"] == Path(src["path"]).stat().st_size
+    for rel, info in manifest["outputs"].items():
+        assert info["sha256"] == hashlib.sha256((out / rel).read_bytes()).hexdigest()
+    assert {"train/part-00000.parquet", "test/part-00001.parquet", "items.parquet"} <= set(manifest["outputs"])
+    assert not (out / "_spill").exists()
+    with pytest.raises(ValueError, match="exists"):
+        prepare(paths, out, AD_FEATURES, SplitConfig(), progress=False)
+    prepare(paths[:1], out, AD_FEATURES, SplitConfig(), num_shards=2, overwrite=True, progress=False)
+    assert len(load_manifest(out)["sources"]) == 1
+    assert no_leftovers(tmp_path)
+
+
+def _good() -> pa.Table:
+    return random_log(20, 200, seed=6)
+
+
+def _with(table: pa.Table, name: str, array) -> pa.Table:
+    return table.set_column(table.schema.get_field_index(name), name, array)
+
+
+def _null_at(table: pa.Table, name: str, row: int) -> pa.Table:
+    values = table.column(name).to_pylist()
+    values[row] = None
+    return _with(table, name, pa.array(values, table.schema.field(name).type))
+
+
+BAD_TABLES = {
+    "missing column": (lambda t: t.drop_columns(["advertiser_id"]), "missing column 'advertiser_id'"),
+    "ts as string": (lambda t: _with(t, "ts", t.column("ts").cast(pa.string())), "'ts'.*type string"),
+    "float item id": (lambda t: _with(t, "item_id", t.column("item_id").cast(pa.float64())), "'item_id'.*double"),
+    "null user": (lambda t: _null_at(t, "user_id", 150), "'user_id'.*nulls in row group 1"),
+    "null item": (lambda t: _null_at(t, "item_id", 3), "'item_id'.*nulls in row group 0"),
+    "null ts": (lambda t: _null_at(t, "ts", 199), "'ts'.*nulls in row group 1"),
+    "label out of 0/1": (lambda t: _with(t, "click", pa.array([2] * t.num_rows, pa.int8())), "'click'.*0/1"),
+    "empty file": (lambda t: t.slice(0, 0), "empty file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TABLES))
+def test_bad_table_raises_naming_file_and_writes_nothing(tmp_path, case):
+    make_bad, pattern = BAD_TABLES[case]
+    log = tmp_path / "log"
+    write_log(_good(), log, num_files=1, row_group_size=100)
+    bad = log / "bad.parquet"
+    pq.write_table(make_bad(_good()), bad, row_group_size=100)
+    out = tmp_path / "out" / "prepared"
+    with pytest.raises(ValueError, match=pattern) as info:
+        prepare(log, out, AD_FEATURES, SplitConfig(), progress=False)
+    assert str(bad) in str(info.value)
+    assert not out.exists() and (not out.parent.exists() or no_leftovers(out.parent))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "footer cut"])
+def test_corrupt_parquet_raises(tmp_path, damage):
+    log = tmp_path / "log"
+    write_log(_good(), log, num_files=1)
+    data = (log / "log-000.parquet").read_bytes()
+    bad = log / "broken.parquet"
+    bad.write_bytes({"garbage": b"not a parquet file at all", "truncated": data[: len(data) // 2],
+                     "footer cut": data[:-3]}[damage])
+    with pytest.raises(ValueError, match="broken.parquet.*(corrupt|truncated)"):
+        prepare(log, tmp_path / "out", AD_FEATURES, SplitConfig(), progress=False)
+    assert no_leftovers(tmp_path)
+
+
+def test_corrupt_row_group_data_raises_naming_row_group(tmp_path):
+    path = write_log(_good(), tmp_path / "log", num_files=1, row_group_size=100)[0]
+    meta = pq.ParquetFile(path).metadata
+    col = meta.row_group(1).column(0)
+    data = bytearray(path.read_bytes())
+    # Overwrite the second row group's first data page (header and values) with junk.
+    start = col.data_page_offset
+    data[start : start + 64] = b"\xff" * 64
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="log-000.parquet: row group 1"):
+        prepare(path, tmp_path / "out", AD_FEATURES, SplitConfig(), progress=False)
+    assert no_leftovers(tmp_path)
+
+
+def test_input_paths_and_types_across_files(tmp_path):
+    with pytest.raises(ValueError, match="nothing.*matches no files"):
+        prepare(tmp_path / "nothing*.parquet", tmp_path / "out", AD_FEATURES, SplitConfig(), progress=False)
+    with pytest.raises(ValueError, match="no such file"):
+        prepare(tmp_path / "absent.parquet", tmp_path / "out", AD_FEATURES, SplitConfig(), progress=False)
+    log = tmp_path / "log"
+    write_log(_good(), log)
+    mixed = _good()
+    pq.write_table(_with(mixed, "item_id", mixed.column("item_id").cast(pa.string())), log / "strings.parquet")
+    with pytest.raises(ValueError, match="strings.parquet.*'item_id' holds string ids"):
+        prepare(log, tmp_path / "out", AD_FEATURES, SplitConfig(), progress=False)
+    assert no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "split, pattern",
+    [
+        (SplitConfig(kind="time", train_cutoff_ts=200, valid_cutoff_ts=100), "valid_cutoff_ts.*after.*train_cutoff"),
+        (SplitConfig(kind="time", train_cutoff_ts=200, valid_cutoff_ts=200), "cutoffs must increase"),
+        (SplitConfig(kind="time"), "needs split.train_cutoff_ts"),
+        (SplitConfig(train_cutoff_ts=5), "only apply to kind = 'time'"),
+        (SplitConfig(min_user_events=0), "min_user_events"),
+    ],
+)
+def test_bad_split_config(tmp_path, split, pattern):
+    write_log(_good(), tmp_path / "log")
+    with pytest.raises(ValueError, match=pattern):
+        prepare(tmp_path / "log", tmp_path / "out", AD_FEATURES, split, progress=False)
+    assert not (tmp_path / "out").exists() and no_leftovers(tmp_path)
+
+
+def test_min_user_events_drops_and_counts(tmp_path):
+    table = random_log(40, 400, seed=7)
+    write_log(table, tmp_path / "log")
+    manifest = prepare(tmp_path / "log", tmp_path / "out", AD_FEATURES, SplitConfig(min_user_events=12),
+                       progress=False)
+    lengths = Counter(table.column("user_id").to_pylist())
+    dropped = sum(n < 12 for n in lengths.values())
+    assert dropped > 0 and manifest["counts"]["users_dropped_min_events"] == dropped
+    assert set(read_split(tmp_path / "out", "train")) == {u for u, n in lengths.items() if n >= 12}
