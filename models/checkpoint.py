@@ -1,0 +1,426 @@
+"""Atomic, verified, multi-rank training checkpoints; RNG capture; stop signals.
+
+Layout of one checkpoint (world_size 2):
+
+    root/step-00000123/
+        dense.pt                       rank 0: model + optimizer + scheduler state dicts
+        rank-00000-of-00002/state.pt   per rank: loader position, RNG states, step, ...
+        rank-00000-of-00002/extra/     per rank: whatever `write_extra` put there (sparse snapshot)
+        rank-00001-of-00002/...
+        COMPLETE                       json: step, world_size, sha256 of every file, config
+    root/.tmp-step-00000124-4711/      a save in progress (or killed): never read, removed
+                                       by the next save
+
+Every rank writes into the one temp dir; after all ranks have fsynced and reported their
+checksums, rank 0 writes COMPLETE last and renames the temp dir to step-N. A step dir
+without a valid COMPLETE is never trusted, so `kill -9` at any moment leaves the previous
+checkpoint as `latest()`.
+
+Usage in a training loop:
+
+    ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=3, rank=rank, world_size=world)
+    fingerprint = {"model.dim": 64, "model.num_layers": 2, "data.max_seq_len": 200}
+    if (path := ckpt.latest(required=cfg.resume)) is not None:
+        dense, rank_state = ckpt.load(path, config_fingerprint=fingerprint)
+        model.load_state_dict(dense["model"]); optimizer.load_state_dict(dense["optimizer"])
+        restore_rng_state(rank_state["rng"]); step = rank_state["step"]
+        store.load_snapshot(ckpt.extra_dir(path))
+    stop = install_stop_signals()
+    while step < total_steps:
+        ...
+        if step % every == 0 or stop.should_stop():
+            ckpt.save(
+                step,
+                dense_state={"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                rank_state={"step": step, "loader": loader.state_dict(), "rng": capture_rng_state()},
+                write_extra=store.write_snapshot,  # called with this rank's empty extra dir
+                config_fingerprint=fingerprint,
+            )
+            if stop.should_stop(): break
+
+`save`, `latest(required=True)` and `StopFlag.should_stop` are collective when
+torch.distributed is initialized: every rank must call them at the same step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+MARKER = "COMPLETE"
+DENSE_FILE = "dense.pt"
+RANK_STATE_FILE = "state.pt"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_PREFIX = ".tmp-"
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _fsync_path(path: Path) -> None:
+    # Works for files and directories; a directory needs its own fsync so that a rename or
+    # a new entry in it survives a power cut.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+_PLAIN = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _check_weights_only(obj: Any, where: str) -> None:
+    """Refuse at save time what `torch.load(weights_only=True)` would refuse at resume time."""
+    if isinstance(obj, _PLAIN):
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"{where}: key {k!r} is a {type(k).__name__}; use str or int keys")
+            _check_weights_only(v, f"{where}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_weights_only(v, f"{where}[{i}]")
+    else:
+        raise TypeError(
+            f"{where} is a {type(obj).__name__}; checkpoints hold only tensors, numbers, "
+            "strings, None, lists, tuples and dicts (they load with weights_only=True)"
+        )
+
+
+def _plain_json(d: dict[str, object]) -> dict[str, object]:
+    # Round-trip so a tuple compares equal to the list it becomes in the marker.
+    return json.loads(json.dumps(d, sort_keys=True))
+
+
+def read_marker(path: Path) -> dict[str, Any] | None:
+    """The parsed COMPLETE marker of a step dir, or None if absent or unreadable."""
+    try:
+        marker = json.loads((Path(path) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    m = _STEP_DIR.match(Path(path).name)
+    if not isinstance(marker, dict) or m is None or marker.get("step") != int(m.group(1)):
+        return None
+    return marker
+
+
+class CheckpointManager:
+    """Saves and finds checkpoints under `root_dir`; see the module docstring."""
+
+    def __init__(self, root_dir: str | Path, *, keep_last: int = 3, rank: int, world_size: int) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if world_size > 1 and not _dist_on():
+            raise ValueError(f"world_size {world_size} needs torch.distributed initialized")
+        if _dist_on() and (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            raise ValueError(
+                f"rank/world_size {rank}/{world_size} differ from torch.distributed's "
+                f"{dist.get_rank()}/{dist.get_world_size()}"
+            )
+        self.root = Path(root_dir)
+        self.keep_last = keep_last
+        self.rank = rank
+        self.world_size = world_size
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # ---- paths -------------------------------------------------------------------------
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}"
+
+    def rank_dir(self, path: str | Path) -> Path:
+        """This rank's subdirectory of a checkpoint."""
+        return Path(path) / f"rank-{self.rank:05d}-of-{self.world_size:05d}"
+
+    def extra_dir(self, path: str | Path) -> Path:
+        """Where `write_extra` wrote this rank's files (e.g. the sparse store snapshot)."""
+        return self.rank_dir(path) / "extra"
+
+    def complete_steps(self) -> list[tuple[int, Path]]:
+        """(step, dir) of every checkpoint with a valid marker, oldest first."""
+        found = []
+        for p in self.root.iterdir() if self.root.is_dir() else []:
+            m = _STEP_DIR.match(p.name)
+            if m and p.is_dir() and read_marker(p) is not None:
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def latest(self, *, required: bool = False) -> Path | None:
+        """The newest complete checkpoint, or None. `required=True` (resume demanded) raises
+        FileNotFoundError instead of returning None, naming what was found."""
+        steps = self.complete_steps()
+        if steps:
+            return steps[-1][1]
+        if required:
+            others = sorted(p.name for p in self.root.iterdir()) if self.root.is_dir() else []
+            raise FileNotFoundError(
+                f"resume requested but {self.root} holds no complete checkpoint "
+                f"(a step-N dir with a valid {MARKER} marker); found: {others or 'nothing'}"
+            )
+        return None
+
+    # ---- save --------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        *,
+        dense_state: dict[str, Any] | None,
+        rank_state: dict[str, Any],
+        write_extra: Callable[[Path], None] | None = None,
+        config_fingerprint: dict[str, object],
+    ) -> Path:
+        """Write checkpoint `step` atomically on every rank and return its directory.
+
+        dense_state: rank 0's model/optimizer/scheduler state dicts (ignored elsewhere).
+        rank_state: this rank's loader position, RNG states, step, ... (tensors and
+            plain values only, so loading never unpickles code).
+        write_extra: called with this rank's empty `extra/` dir to write more files.
+        config_fingerprint: flat {config key: value} of everything that must match on
+            resume (model shapes, tables, world layout); JSON values only.
+        """
+        if self.rank == 0:
+            if dense_state is None:
+                raise ValueError("rank 0 must pass dense_state to CheckpointManager.save")
+            _check_weights_only(dense_state, "dense_state")
+        _check_weights_only(rank_state, "rank_state")
+        fingerprint = _plain_json(config_fingerprint)
+
+        tmp = self._make_tmp_dir(step)
+        manifest: dict[str, dict[str, object]] = {}
+        if self.rank == 0:
+            _torch_save(dense_state, tmp / DENSE_FILE)
+        rank_dir = self.rank_dir(tmp)
+        (rank_dir / "extra").mkdir(parents=True)
+        _torch_save(rank_state, rank_dir / RANK_STATE_FILE)
+        if write_extra is not None:
+            write_extra(rank_dir / "extra")
+        # Checksums are computed by the rank that wrote the files, in parallel.
+        mine = [tmp / DENSE_FILE] if self.rank == 0 else []
+        mine += sorted(p for p in rank_dir.rglob("*") if p.is_file())
+        for p in mine:
+            _fsync_path(p)  # extra files were written by other code, maybe without fsync
+            manifest[p.relative_to(tmp).as_posix()] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
+        for d in sorted({p.parent for p in mine}):
+            _fsync_path(d)
+
+        # The gather doubles as the barrier: no rank reports until its files are durable.
+        manifests = [manifest]
+        if _dist_on():
+            manifests = [None] * self.world_size
+            dist.all_gather_object(manifests, manifest)
+        final = self.step_dir(step)
+        if self.rank == 0:
+            files = {k: v for m in manifests for k, v in m.items()}
+            marker = {
+                "format_version": FORMAT_VERSION,
+                "step": step,
+                "world_size": self.world_size,
+                "created_unix": time.time(),
+                "torch_version": torch.__version__,
+                "config_fingerprint": fingerprint,
+                "config_sha256": hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest(),
+                "files": files,
+            }
+            with open(tmp / (MARKER + ".partial"), "w") as f:
+                json.dump(marker, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp / (MARKER + ".partial"), tmp / MARKER)
+            _fsync_path(tmp)
+            replaced = None
+            if final.exists():  # re-saving a step (resumed from an older one): move the old aside
+                replaced = self.root / f"{_TMP_PREFIX}replaced-{final.name}-{os.getpid()}"
+                os.replace(final, replaced)
+            os.replace(tmp, final)
+            _fsync_path(self.root)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
+            self._prune()
+        if _dist_on():
+            dist.barrier()  # nobody returns before the checkpoint is visible
+        return final
+
+    def _make_tmp_dir(self, step: int) -> Path:
+        name = None
+        if self.rank == 0:
+            # Anything left under a temp name is a save that died (or a pruned dir that was
+            # not fully deleted): no save is running now, since every rank is here.
+            for p in self.root.iterdir():
+                if p.name.startswith(_TMP_PREFIX):
+                    shutil.rmtree(p, ignore_errors=True)
+            name = f"{_TMP_PREFIX}step-{step:08d}-{os.getpid()}"
+            (self.root / name).mkdir()
+        if _dist_on():
+            box = [name]
+            dist.broadcast_object_list(box, src=0)
+            name = box[0]
+        return self.root / name
+
+    def _prune(self) -> None:
+        for _, p in self.complete_steps()[: -self.keep_last]:
+            # Rename first: a half-deleted dir must not keep looking like a checkpoint.
+            doomed = self.root / f"{_TMP_PREFIX}delete-{p.name}"
+            os.replace(p, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    # ---- load --------------------------------------------------------------------------
+    def load(
+        self, path: str | Path, *, config_fingerprint: dict[str, object]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Verify and load (dense_state, this rank's rank_state), both on CPU.
+
+        Raises ValueError when the marker is missing, the world size or a fingerprint key
+        differs, or a file of this rank (or dense.pt) is missing or fails its checksum.
+        Files of `extra_dir(path)` are verified too; the caller reads them itself.
+        """
+        path = Path(path)
+        marker = read_marker(path)
+        if marker is None:
+            raise ValueError(f"{path} is not a complete checkpoint (no valid {MARKER} marker)")
+        if marker["world_size"] != self.world_size:
+            raise ValueError(
+                f"{path} was saved with world_size {marker['world_size']}, now {self.world_size}; "
+                "resharding a checkpoint is not supported"
+            )
+        _check_fingerprint(marker["config_fingerprint"], _plain_json(config_fingerprint), path)
+
+        prefix = self.rank_dir(path).name + "/"
+        mine = {k: v for k, v in marker["files"].items() if k == DENSE_FILE or k.startswith(prefix)}
+        if DENSE_FILE not in mine or prefix + RANK_STATE_FILE not in mine:
+            raise ValueError(f"{path / MARKER} lists no {DENSE_FILE} or {prefix}{RANK_STATE_FILE}")
+        for rel, meta in sorted(mine.items()):
+            f = path / rel
+            if not f.is_file():
+                raise ValueError(f"checkpoint file {f} is missing")
+            if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+                raise ValueError(f"checkpoint file {f} is corrupt or truncated (checksum mismatch)")
+        dense = torch.load(path / DENSE_FILE, map_location="cpu", weights_only=True)
+        rank_state = torch.load(path / prefix / RANK_STATE_FILE, map_location="cpu", weights_only=True)
+        return dense, rank_state
+
+
+def _check_fingerprint(saved: dict[str, object], now: dict[str, object], path: Path) -> None:
+    diffs = []
+    for key in sorted(saved.keys() | now.keys()):
+        if key not in now:
+            diffs.append(f"{key}: checkpoint {saved[key]!r}, missing in the current config")
+        elif key not in saved:
+            diffs.append(f"{key}: not in the checkpoint, now {now[key]!r}")
+        elif saved[key] != now[key]:
+            diffs.append(f"{key}: checkpoint {saved[key]!r}, now {now[key]!r}")
+    if diffs:
+        raise ValueError(f"checkpoint {path} does not match the current config: " + "; ".join(diffs))
+
+
+# ---- RNG ---------------------------------------------------------------------------------
+def capture_rng_state() -> dict[str, Any]:
+    """Python, numpy (global), torch CPU and CUDA generator states, as tensors and numbers
+    only, so they survive `torch.load(weights_only=True)`."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    assert np_kind == "MT19937"
+    state = {
+        "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64),
+                   "gauss_next": py_gauss},
+        "numpy": {"keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of `capture_rng_state`. CUDA states are restored only when CUDA is present
+    with the same device count (a CPU resume of a GPU run keeps CPU determinism only)."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss_next"]))
+    n = state["numpy"]
+    np.random.set_state(
+        ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# ---- stop signals ------------------------------------------------------------------------
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the loop polls it, checkpoints, and exits cleanly."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        """Whether this process got a stop signal."""
+        return self.signal_name is not None
+
+    def should_stop(self) -> bool:
+        """Whether any rank got a stop signal. Collective under torch.distributed: all
+        ranks must poll at the same step, so that they all checkpoint and stop together."""
+        if not _dist_on():
+            return self.requested
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([int(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested and signum == signal.SIGINT:
+            self.restore()
+            raise KeyboardInterrupt  # second Ctrl-C: stop now, without a checkpoint
+        self.signal_name = signal.Signals(signum).name
+        print(f"genrec: got {self.signal_name}; checkpointing and stopping "
+              "(Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        """Put back the handlers that were installed before."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+
+def install_stop_signals() -> StopFlag:
+    """Route SIGTERM and SIGINT into a `StopFlag` (main thread only)."""
+    flag = StopFlag()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        flag._previous[signum] = signal.signal(signum, flag._handle)
+    return flag
