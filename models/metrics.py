@@ -600,3 +600,58 @@ def paired_bootstrap(numer_a_U: Any, numer_b_U: Any, denom_a_U: Any | None = Non
     return {"diff": diff, "low": float(low), "high": float(high),
             "p_value": min(1.0, (extreme + 1) / (num_resamples + 1)),
             "confidence": confidence, "num_resamples": num_resamples}
+
+
+def _ranking_ratio_columns(per_user: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(numerator, denominator) per user for the ranking figures that are ratios of sums."""
+    has_auc = ~np.isnan(per_user["auc"])
+    return {
+        "gauc": (per_user["auc"][has_auc] * per_user["count"][has_auc], per_user["count"][has_auc]),
+        "logloss": (per_user["logloss_sum"], per_user["count"]),
+    }
+
+
+def headline_cis(retrieval: RetrievalMetrics | None = None, ranking: RankingMetrics | None = None,
+                 num_resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Bootstrap CIs keyed like the report (`retrieval.hr@10`, `ranking.click.gauc`, ...):
+    every retrieval metric, and GAUC and log loss per ranking task (the global AUC is not a
+    sum over users, so it gets no interval here)."""
+    out: dict[str, dict[str, Any]] = {}
+    if retrieval is not None:
+        for name, values_U in retrieval.per_user().items():
+            out[f"retrieval.{name}"] = bootstrap_ci(values_U, None, num_resamples, confidence, seed)
+    if ranking is not None:
+        for task in ranking.tasks:
+            for name, (numer, denom) in _ranking_ratio_columns(ranking.per_user(task)).items():
+                out[f"ranking.{task}.{name}"] = bootstrap_ci(numer, denom, num_resamples, confidence, seed)
+    return out
+
+
+def compare_models(a_retrieval: RetrievalMetrics | None, b_retrieval: RetrievalMetrics | None,
+                   a_ranking: RankingMetrics | None = None, b_ranking: RankingMetrics | None = None,
+                   num_resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Paired bootstrap of model A minus model B, keyed like `headline_cis`. Retrieval ranks are
+    paired by position, so both accumulators must have been fed the same users in the same
+    order; ranking is paired by user id (GAUC over the users that have an AUC in both)."""
+    out: dict[str, dict[str, Any]] = {}
+    if a_retrieval is not None and b_retrieval is not None:
+        a_values, b_values = a_retrieval.per_user(), b_retrieval.per_user()
+        for name in a_values:
+            if name in b_values:
+                out[f"retrieval.{name}"] = paired_bootstrap(a_values[name], b_values[name], None, None,
+                                                            num_resamples, confidence, seed)
+    if a_ranking is not None and b_ranking is not None:
+        for task in a_ranking.tasks:
+            if task not in b_ranking.tasks:
+                continue
+            a_pu, b_pu = a_ranking.per_user(task), b_ranking.per_user(task)
+            if not np.array_equal(a_pu["user_ids"], b_pu["user_ids"]):
+                raise ValueError(f"compare_models: task '{task}' was evaluated on different users for A and B")
+            both = ~np.isnan(a_pu["auc"]) & ~np.isnan(b_pu["auc"])
+            out[f"ranking.{task}.gauc"] = paired_bootstrap(
+                a_pu["auc"][both] * a_pu["count"][both], b_pu["auc"][both] * b_pu["count"][both],
+                a_pu["count"][both], b_pu["count"][both], num_resamples, confidence, seed)
+            out[f"ranking.{task}.logloss"] = paired_bootstrap(
+                a_pu["logloss_sum"], b_pu["logloss_sum"], a_pu["count"], b_pu["count"],
+                num_resamples, confidence, seed)
+    return out

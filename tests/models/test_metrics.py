@@ -22,6 +22,8 @@ from genrec.models.metrics import (
     SlicedMetrics,
     binary_auc,
     bootstrap_ci,
+    compare_models,
+    headline_cis,
     item_counts,
     length_buckets,
     new_vs_returning,
@@ -82,6 +84,7 @@ def test_rank_of_target_rejects_bad_input():
 
 
 def _brute_force_ranks(scores, target, mask):
+    scores, target, mask = scores.numpy(), target.numpy(), mask.numpy()
     out = []
     for b in range(scores.shape[0]):
         t = scores[b, target[b]]
@@ -385,3 +388,30 @@ def test_paired_bootstrap_detects_real_differences_only():
                                                  - bootstrap_ci(base, num_resamples=300)["low"])
     with pytest.raises(ValueError, match="same users"):
         paired_bootstrap(base, base[:-1])
+
+
+def test_headline_cis_and_compare_models_keys_and_consistency():
+    rng = np.random.default_rng(2)
+    ranks_a, ranks_b = rng.integers(0, 30, 400), rng.integers(0, 300, 400)
+    ra, rb = RetrievalMetrics(ks=(10,)), RetrievalMetrics(ks=(10,))
+    ra.update_ranks(ranks_a)
+    rb.update_ranks(ranks_b)
+    users, probs, labels = _random_ranking(4)
+    ka, kb = RankingMetrics(tasks=["click", "conversion"]), RankingMetrics(tasks=["click", "conversion"])
+    ka.update(torch.from_numpy(users), torch.from_numpy(probs), torch.from_numpy(labels))
+    kb.update(torch.from_numpy(users), torch.from_numpy(np.full_like(probs, 0.3)), torch.from_numpy(labels))
+    cis = headline_cis(ra, ka, num_resamples=200)
+    assert set(cis) == {"retrieval.hr@10", "retrieval.ndcg@10", "retrieval.mrr", "ranking.click.gauc",
+                        "ranking.click.logloss", "ranking.conversion.gauc", "ranking.conversion.logloss"}
+    assert cis["retrieval.hr@10"]["estimate"] == pytest.approx(ra.compute()["hr@10"])
+    assert cis["ranking.click.gauc"]["estimate"] == pytest.approx(ka.compute()["click"]["gauc"])
+    assert cis["ranking.click.logloss"]["estimate"] == pytest.approx(ka.compute()["click"]["logloss"])
+    cmp = compare_models(ra, rb, ka, kb, num_resamples=200)
+    assert cmp["retrieval.hr@10"]["diff"] == pytest.approx(ra.compute()["hr@10"] - rb.compute()["hr@10"])
+    assert cmp["retrieval.hr@10"]["p_value"] < 0.01
+    # A constant predictor has AUC 0.5 for every user.
+    assert cmp["ranking.click.gauc"]["diff"] == pytest.approx(ka.compute()["click"]["gauc"] - 0.5)
+    kc = RankingMetrics(tasks=["click", "conversion"])
+    kc.update(torch.from_numpy(users + 1), torch.from_numpy(probs), torch.from_numpy(labels))
+    with pytest.raises(ValueError, match="different users"):
+        compare_models(None, None, ka, kc)
