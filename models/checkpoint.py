@@ -38,8 +38,9 @@ Usage in a training loop:
             )
             if stop.should_stop(): break
 
-`save`, `latest(required=True)` and `StopFlag.should_stop` are collective when
-torch.distributed is initialized: every rank must call them at the same step.
+`save` and `StopFlag.should_stop` are collective when torch.distributed is initialized:
+every rank must call them at the same step. `load` reads dense.pt and this rank's own
+directory only; it does not reshard (the world size must match the one saved).
 """
 
 from __future__ import annotations
