@@ -206,3 +206,15 @@ def test_existing_output_dir(tmp_path):
         convert("sasrec-txt", [good], out, overwrite=True, progress=False)
     assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, "part-00000.parquet"]
     _assert_clean(tmp_path, ["good.txt", "out"])
+
+
+def test_hex_parsing_matches_python_and_rejects_non_hex():
+    from genrec.data.convert import _hex8_to_int64
+
+    rng = np.random.default_rng(0)
+    values = [f"{x:08x}" for x in rng.integers(0, 1 << 32, 2000)] + ["DEADBEEF", "aBcD0129", None]
+    parsed = _hex8_to_int64(pa.array(values))
+    assert parsed.tolist() == [int(v, 16) for v in values[:-1]] + [CRITEO_MISSING_ID]
+    # Bytes next to the hex ranges, and control bytes that alias digits under `| 0x20`.
+    for bad in ["0000000g", "0000:000", "0000/000", "0000@000", "0000`000", "0000G000", "0000\x10000"]:
+        assert _hex8_to_int64(pa.array([bad])) is None, repr(bad)
