@@ -45,6 +45,7 @@ import os
 import shutil
 import sys
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -66,9 +67,10 @@ SPLITS = ("train", "valid", "test")
 # Rows per pass-1 record batch: large enough to amortize the per-batch bucket partition,
 # small enough (~10 MB of records) to be noise next to the memory budget.
 _PASS1_BATCH_ROWS = 1 << 17
-# Pass 2 holds a bucket's records roughly this many times over (loaded, sorted copy,
-# split masks / gathered values, arrow list arrays) plus 16 bytes of sort index per row.
-_PASS2_COPIES = 4
+# Pass 2 holds a bucket's records roughly this many times over (loaded, sorted columns,
+# the three split tables written concurrently, encoder buffers) plus 16 bytes of sort
+# index per row.
+_PASS2_COPIES = 6
 _MAX_BUCKETS = 4096
 
 
@@ -469,8 +471,13 @@ def _pass2_build(spill_dir, features, split, rec_dtype, out_dir, num_buckets, nu
     for s in SPLITS:
         (out_dir / s).mkdir()
         for shard in range(num_shards):
-            writers[s, shard] = pq.ParquetWriter(out_dir / s / f"part-{shard:05d}.parquet", schema)
+            # No dictionary pages: ids and timestamps are high-cardinality, and plain + zstd
+            # writes ~2x faster and ~1.5x smaller than the dictionary + snappy default.
+            writers[s, shard] = pq.ParquetWriter(out_dir / s / f"part-{shard:05d}.parquet", schema,
+                                                 use_dictionary=False, compression="zstd")
     items = _ItemCounter()
+    pool = ThreadPoolExecutor(max_workers=len(SPLITS))
+    pending: list[Future] = []
     try:
         for b in tqdm(range(num_buckets), desc="prepare: sort", file=sys.stderr, disable=not progress):
             path = spill_dir / f"bucket-{b:05d}.bin"
@@ -479,12 +486,15 @@ def _pass2_build(spill_dir, features, split, rec_dtype, out_dir, num_buckets, nu
             if rec.size == 0:
                 continue
             # lexsort is stable: equal (user, ts) keep log order.
-            rec = rec[np.lexsort((rec["t"], rec["u"]))]
+            order = np.lexsort((rec["t"], rec["u"]))
+            # Contiguous columns: the per-split masks below gather from each several times.
+            rec = {name: rec[name][order] for name in rec_dtype.names}
+            del order
             users = rec["u"]
             starts = np.flatnonzero(np.concatenate([[True], users[1:] != users[:-1]]))
             n_u = np.diff(np.append(starts, len(users)))
             pos_in_user = np.arange(len(users)) - np.repeat(starts, n_u)
-            counts["source_events"] += len(rec)
+            counts["source_events"] += len(users)
             counts["users"] += len(starts)
             lengths = _split_prefix_lengths(split, rec["t"], starts, n_u, counts)
             for s in SPLITS:
@@ -501,13 +511,21 @@ def _pass2_build(spill_dir, features, split, rec_dtype, out_dir, num_buckets, nu
                 for i in range(len(features.labels)):
                     arrays.append(pa.ListArray.from_arrays(offsets, rec[f"l{i}"][event_mask]))
                 table = pa.Table.from_arrays(arrays, schema=schema)
-                writers[s, b % num_shards].write_table(table, row_group_size=row_group_users)
+                # parquet encoding releases the GIL: the three splits encode in parallel.
+                pending.append(pool.submit(writers[s, b % num_shards].write_table, table,
+                                           row_group_size=row_group_users))
                 counts["rows"][s] += int(has_row.sum())
                 counts["events"][s] += int(row_lengths.sum())
                 if s == "train":
                     items.add(rec[item_slot][event_mask])
             del rec, users, pos_in_user
+            for future in pending:
+                future.result()
+            pending.clear()
     finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True)
         for w in writers.values():
             w.close()
     item_ids, item_counts = items.result()
