@@ -67,7 +67,7 @@ def test_owner_rank_is_stable_and_balanced():
     assert torch.equal(r, owner_rank(ids.clone(), 2))
     assert 0.48 < r.float().mean().item() < 0.52
     # pinned values: a change of hash would silently reshuffle every saved shard
-    assert owner_rank(torch.tensor([0, 1, 2, 3, 12345]), 7).tolist() == owner_rank(torch.tensor([0, 1, 2, 3, 12345]), 7).tolist()
+    assert owner_rank(torch.tensor([0, 1, 2, 3, 12345]), 7).tolist() == [4, 4, 2, 4, 6]
 
 
 # ------------------------------------------------------------------------ exactness
@@ -160,8 +160,6 @@ def test_initial_rows_do_not_depend_on_arrival_order_or_tier_sizes():
     a = TieredEmbeddingCollection(SparseConfig(tables=[cfgs[0]], ssd_slab_rows=4))
     b = TieredEmbeddingCollection(SparseConfig(tables=[cfgs[1]]))
     ids = [5, 900, 1 << 40, 17, 3]
-    with torch.no_grad():
-        pass
     ra = a(kjt_of({"f": [ids]}))["f"].values()
     rb = b(kjt_of({"f": [ids[::-1]]}))["f"].values().flip(0)
     assert torch.equal(ra, rb)
