@@ -1,0 +1,409 @@
+"""The serving artifact: everything `genrec serve` needs, in one versioned directory.
+
+Layout (every file listed in the manifest with its sha256 and size):
+
+    ARTIFACT/
+      manifest.json              format, model version, feature spec, model / tower / job config,
+                                 export dtype, library versions, per-file checksums
+      dense.safetensors          the dense weights: tower, token projection, task heads (fp32)
+      tower.pt2                  the tower's full forward as a `torch.export` program
+      tables/<table>.safetensors one embedding table: `ids` (int64, sorted: the id index),
+                                 `rows` (fp32 / fp16 / uint8) and for int8 `scale_bias` [N, 2]
+      item_index.safetensors     retrieval index: `item_ids` (sorted), normalized item rows
+                                 (same dtype scheme as the tables) and each candidate side
+                                 feature (`feature.<name>`) of every item
+
+Worked example (a table of 3 learned ids, int8):
+
+    ids        [3, 17, 90]                     sorted, so lookup is a searchsorted
+    rows       uint8 [3, D]                    row r = rows[r] * scale_bias[r, 0] + scale_bias[r, 1]
+    lookup([17, 5]) -> [row of 17, default row]   5 was never seen in training: the default
+                                                  row (zeros, the store's `default_row="zeros"`)
+
+Why the tower is stored twice: the `torch.export` program (`tower.pt2`) is the portable,
+framework-independent record of the full forward (history + candidates under the
+target-aware mask). It is traced on one example jagged layout by `torch.export.draft_export`
+(the tower's jagged bookkeeping is data-dependent), so it carries runtime asserts that the
+call has that layout. The serving path does not run it: it rebuilds the tower from the
+manifest's `TowerConfig` plus `dense.safetensors` (no pickle anywhere) so that it can use the
+tower's per-layer key/value cache (`encode_history` / `score_targets`, M-FALCON) on any
+history length. Loading never unpickles: JSON + safetensors only, after checksums pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT = "genrec.artifact/1"
+MANIFEST = "manifest.json"
+DENSE_FILE = "dense.safetensors"
+PROGRAM_FILE = "tower.pt2"
+ITEM_INDEX_FILE = "item_index.safetensors"
+Dtype = Literal["fp32", "fp16", "int8"]
+
+
+# ---------------------------------------------------------------------- row quantization
+
+
+def quantize_rows(values_ND: torch.Tensor, dtype: Dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 rows -> stored rows: fp32 as is, fp16, or int8 row-wise (uint8 + fp32 scale, bias
+    per row: FBGEMM's 8-bit row-wise scheme, the same as `genrec.sparse.snapshot`)."""
+    values_ND = values_ND.detach().float().contiguous()
+    if dtype == "fp32":
+        return values_ND, None
+    if dtype == "fp16":
+        return values_ND.to(torch.float16), None
+    if dtype != "int8":
+        raise ValueError(f"export dtype must be one of 'fp32', 'fp16', 'int8', got {dtype!r}")
+    lo_N1 = values_ND.min(dim=1, keepdim=True).values if values_ND.shape[1] else values_ND[:, :1]
+    hi_N1 = values_ND.max(dim=1, keepdim=True).values if values_ND.shape[1] else values_ND[:, :1]
+    scale_N1 = ((hi_N1 - lo_N1) / 255.0).clamp(min=1e-12)
+    q_ND = torch.round((values_ND - lo_N1) / scale_N1).clamp(0, 255).to(torch.uint8)
+    return q_ND, torch.cat([scale_N1, lo_N1], dim=1).contiguous()
+
+
+def dequantize_rows(rows_ND: torch.Tensor, scale_bias_N2: torch.Tensor | None) -> torch.Tensor:
+    if scale_bias_N2 is None:
+        return rows_ND.float()
+    return torch.addcmul(scale_bias_N2[:, 1:], rows_ND.float(), scale_bias_N2[:, :1])
+
+
+@dataclass
+class ServingTable:
+    """One embedding table held for lookup: rows that exist, found by searchsorted."""
+
+    ids_N: torch.Tensor
+    """int64 [N], strictly increasing."""
+    rows_ND: torch.Tensor
+    """float32 / float16 / uint8 [N, D]."""
+    scale_bias_N2: torch.Tensor | None
+    """float32 [N, 2] for int8 rows, else None."""
+
+    @property
+    def dim(self) -> int:
+        return int(self.rows_ND.shape[1])
+
+    def positions(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row index clamped into range, found mask) of each id."""
+        n = self.ids_N.numel()
+        if n == 0:
+            return torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool)
+        pos = torch.searchsorted(self.ids_N, ids).clamp(max=n - 1)
+        return pos, self.ids_N[pos] == ids
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), D]; ids never seen in training read the default row (zeros)."""
+        pos, found = self.positions(ids.long())
+        sb = None if self.scale_bias_N2 is None else self.scale_bias_N2[pos]
+        rows = dequantize_rows(self.rows_ND[pos], sb)
+        return rows * found.unsqueeze(1)
+
+    def nbytes(self) -> int:
+        extra = 0 if self.scale_bias_N2 is None else self.scale_bias_N2.nbytes
+        return self.ids_N.nbytes + self.rows_ND.nbytes + extra
+
+
+# ---------------------------------------------------------------------- reading the store
+
+
+def _table_rows(embeddings: torch.nn.Module) -> dict[str, tuple[list[str], torch.Tensor, torch.Tensor]]:
+    """table name -> (feature names, ids [N] sorted, fp32 rows [N, D]) of every row that exists."""
+    out = {}
+    if hasattr(embeddings, "stores") and hasattr(embeddings, "tables"):  # genrec TieredEmbeddingCollection
+        if getattr(embeddings, "world_size", 1) != 1:
+            raise ValueError("export reads every row of the tiered store: run it in one process "
+                             "(load the checkpoint with world_size 1)")
+        for name, store in embeddings.stores.items():
+            ids_N, rows_NW, _ = store.all_rows()
+            order = torch.argsort(ids_N)
+            out[name] = (list(embeddings.tables[name].feature_names), ids_N[order].long(),
+                         rows_NW[order, : store.dim].float())
+        return out
+    if hasattr(embeddings, "embedding_configs") and hasattr(embeddings, "embeddings"):  # torchrec EC
+        for cfg in embeddings.embedding_configs():
+            weight = embeddings.embeddings[cfg.name].weight.detach()
+            out[cfg.name] = (list(cfg.feature_names), torch.arange(weight.shape[0]), weight.float())
+        return out
+    raise ValueError(f"export cannot read rows from a {type(embeddings).__name__}: expected genrec's "
+                     "TieredEmbeddingCollection or a torchrec EmbeddingCollection")
+
+
+def _lookup_fp32(table: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    ids_N, rows_ND = table
+    return ServingTable(ids_N=ids_N, rows_ND=rows_ND, scale_bias_N2=None).lookup(ids)
+
+
+# ---------------------------------------------------------------------- files and checksums
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("torchrec", "fbgemm-gpu-cpu", "fbgemm-gpu", "safetensors", "genrec"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return versions
+
+
+def _export_program(tower: torch.nn.Module, dim: int, path: Path) -> dict[str, Any]:
+    """Trace the tower's full forward (one row: 8 history events + 4 candidates)."""
+    num_history, num_candidates = 8, 4
+    gen = torch.Generator().manual_seed(0)
+    values_TD = torch.randn(num_history + num_candidates, dim, generator=gen)
+    offsets_B1 = torch.tensor([0, num_history + num_candidates])
+    timestamps_T = torch.arange(num_history + num_candidates, dtype=torch.int64) * 60
+    num_targets_B = torch.tensor([num_candidates])
+    args = (values_TD, offsets_B1, timestamps_T, num_targets_B)
+    # draft_export specializes the data-dependent jagged bookkeeping to this layout (and logs
+    # each specialization loudly); the program keeps runtime asserts for it.
+    noisy = [logging.getLogger(n) for n in ("torch.fx.experimental.symbolic_shapes", "torch.export._draft_export")]
+    levels = [lg.level for lg in noisy]
+    for lg in noisy:
+        lg.setLevel(logging.ERROR)
+    try:
+        with torch.no_grad():
+            program = torch.export.draft_export(tower, args)
+    finally:
+        for lg, level in zip(noisy, levels):
+            lg.setLevel(level)
+    torch.export.save(program, str(path))
+    return {"file": PROGRAM_FILE, "inputs": ["values_TD", "offsets_B1", "timestamps_T", "num_targets_B"],
+            "example_offsets_B1": offsets_B1.tolist(), "example_num_targets_B": num_targets_B.tolist(),
+            "traced_by": "torch.export.draft_export"}
+
+
+# ---------------------------------------------------------------------- export
+
+
+def export_artifact(
+    model: torch.nn.Module,
+    job_config_dict: dict,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: Dtype,
+    item_ids: torch.Tensor,
+    version: str,
+    item_features: dict[str, torch.Tensor] | None = None,
+    export_program: bool = True,
+    overwrite: bool = False,
+) -> Path:
+    """Write the serving artifact of a trained `GenerativeRecommender` to `out_dir`.
+
+    item_ids: the retrieval corpus (the prepared data's item list). item_features: each
+    candidate side feature (every sparse feature except the item and the action, e.g.
+    advertiser_id) of every item, aligned with `item_ids`; required when such features exist,
+    because a retrieved item's tokens need them. export_program=False skips the
+    `torch.export` trace (tests that do not need it; the manifest then says so).
+    The directory is written under a temporary name and renamed into place.
+    """
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"artifact directory {out} exists (pass overwrite=True to replace it)")
+    if dtype not in ("fp32", "fp16", "int8"):
+        raise ValueError(f"export dtype must be one of 'fp32', 'fp16', 'int8', got {dtype!r}")
+    spec = model.features
+    side_features = [f for f in model.candidate_features if f != spec.item]
+    item_features = dict(item_features or {})
+    item_ids = torch.as_tensor(item_ids).long().flatten()
+    if item_ids.numel() == 0:
+        raise ValueError("export: item_ids is empty; the retrieval index needs the item corpus")
+    missing = [f for f in side_features if f not in item_features]
+    if missing:
+        raise ValueError(f"export: item_features must give {missing} for every item (candidate side features)")
+    for f, col in item_features.items():
+        if f not in side_features:
+            raise ValueError(f"export: item_features[{f!r}] is not a candidate side feature ({side_features})")
+        if torch.as_tensor(col).numel() != item_ids.numel():
+            raise ValueError(f"export: item_features[{f!r}] has {torch.as_tensor(col).numel()} entries, "
+                             f"item_ids has {item_ids.numel()}")
+    order = torch.argsort(item_ids)
+    item_ids = item_ids[order]
+    if item_ids.numel() > 1 and bool((item_ids[1:] == item_ids[:-1]).any()):
+        raise ValueError("export: item_ids contains duplicates")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        was_training = model.training
+        model.eval()
+        (tmp / "tables").mkdir()
+        tables_meta = {}
+        item_rows = {}
+        for name, (features, ids_N, rows_ND) in _table_rows(model.embeddings).items():
+            if spec.item in features:
+                item_rows[name] = (ids_N, rows_ND)
+            rows, scale_bias = quantize_rows(rows_ND, dtype)
+            tensors = {"ids": ids_N.contiguous(), "rows": rows}
+            if scale_bias is not None:
+                tensors["scale_bias"] = scale_bias
+            save_file(tensors, str(tmp / "tables" / f"{name}.safetensors"))
+            tables_meta[name] = {"features": features, "num_rows": int(ids_N.numel()),
+                                 "embedding_dim": int(rows_ND.shape[1]), "default_row": "zeros"}
+        dense = {k: (v.detach().float() if v.is_floating_point() else v.detach()).contiguous()
+                 for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
+        save_file(dense, str(tmp / DENSE_FILE))
+        # The retrieval head scores against normalized item rows (GenerativeRecommender.
+        # item_embeddings); computed here from the fp32 rows just read, before quantization.
+        item_table = next(t for t, meta in tables_meta.items() if spec.item in meta["features"])
+        emb_ND = torch.nn.functional.normalize(_lookup_fp32(item_rows[item_table], item_ids), dim=-1, eps=1e-6)
+        rows, scale_bias = quantize_rows(emb_ND, dtype)
+        index = {"item_ids": item_ids.contiguous(), "embeddings": rows}
+        if scale_bias is not None:
+            index["scale_bias"] = scale_bias
+        for f in side_features:
+            index[f"feature.{f}"] = torch.as_tensor(item_features[f]).long().flatten()[order].contiguous()
+        save_file(index, str(tmp / ITEM_INDEX_FILE))
+        program = _export_program(model.tower, model.dim, tmp / PROGRAM_FILE) if export_program else None
+        if was_training:
+            model.train()
+
+        tower_cfg = getattr(model.tower, "cfg", None)
+        if not dataclasses.is_dataclass(tower_cfg):
+            raise ValueError("export: the tower must carry its TowerConfig as `.cfg` (genrec.dense.build_tower)")
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            rel = path.relative_to(tmp).as_posix()
+            files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        manifest = {
+            "format": FORMAT,
+            "version": version,
+            "created_unix": int(time.time()),
+            "dtype": dtype,
+            "dim": int(model.dim),
+            "features": dataclasses.asdict(spec),
+            "feature_dims": {f: tables_meta[t]["embedding_dim"] for t in tables_meta
+                             for f in tables_meta[t]["features"]},
+            "model": dataclasses.asdict(model.cfg),
+            "tower": dataclasses.asdict(tower_cfg),
+            "tables": tables_meta,
+            "item_index": {"num_items": int(item_ids.numel()), "side_features": side_features},
+            "program": program,
+            "job_config": job_config_dict,
+            "libraries": _library_versions(),
+            "files": files,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# ---------------------------------------------------------------------- loading
+
+
+@dataclass
+class ArtifactContents:
+    """A verified artifact in memory (no module built yet)."""
+
+    path: Path
+    manifest: dict
+    dense_state: dict[str, torch.Tensor]
+    tables: dict[str, ServingTable]
+    """By table name; `manifest["tables"][name]["features"]` says which features read it."""
+    item_ids_N: torch.Tensor
+    item_rows_ND: torch.Tensor
+    item_scale_bias_N2: torch.Tensor | None
+    item_side_features: dict[str, torch.Tensor]
+
+
+def read_manifest(artifact_dir: str | os.PathLike) -> dict:
+    path = Path(artifact_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no artifact manifest (is {artifact_dir} an exported artifact?)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: manifest is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} manifest (format={manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    for key in ("version", "dtype", "features", "model", "tower", "tables", "files", "feature_dims", "dim"):
+        if key not in manifest:
+            raise ValueError(f"{path}: manifest lacks {key!r}")
+    return manifest
+
+
+def verify_artifact(artifact_dir: str | os.PathLike) -> dict:
+    """Manifest after checking every listed file's size and sha256; names the bad file."""
+    root = Path(artifact_dir)
+    manifest = read_manifest(root)
+    for rel, info in manifest["files"].items():
+        path = root / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise ValueError(f"{root / MANIFEST}: file entry {rel!r} points outside the artifact")
+        if not path.is_file():
+            raise ValueError(f"artifact file {rel} is missing from {root}")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise ValueError(f"artifact file {rel}: {size} bytes, manifest says {info['bytes']} (truncated or replaced)")
+        if sha256_file(path) != info["sha256"]:
+            raise ValueError(f"artifact file {rel}: sha256 mismatch with the manifest (tampered or corrupted)")
+    return manifest
+
+
+def _load_safetensors(root: Path, rel: str, manifest: dict) -> dict[str, torch.Tensor]:
+    if rel not in manifest["files"]:
+        raise ValueError(f"{root / MANIFEST}: manifest does not list {rel}")
+    try:
+        return load_file(str(root / rel))
+    except Exception as e:  # safetensors raises its own error type on malformed headers
+        raise ValueError(f"artifact file {rel}: not a readable safetensors file ({e})") from None
+
+
+def load_artifact_contents(artifact_dir: str | os.PathLike) -> ArtifactContents:
+    """Verify checksums, then read JSON + safetensors only (nothing is unpickled)."""
+    root = Path(artifact_dir)
+    manifest = verify_artifact(root)
+    dense_state = _load_safetensors(root, DENSE_FILE, manifest)
+    tables = {}
+    for name in manifest["tables"]:
+        rel = f"tables/{name}.safetensors"
+        t = _load_safetensors(root, rel, manifest)
+        if "ids" not in t or "rows" not in t:
+            raise ValueError(f"artifact file {rel}: needs tensors 'ids' and 'rows'")
+        tables[name] = ServingTable(ids_N=t["ids"], rows_ND=t["rows"], scale_bias_N2=t.get("scale_bias"))
+    index = _load_safetensors(root, ITEM_INDEX_FILE, manifest)
+    side = {k[len("feature."):]: v for k, v in index.items() if k.startswith("feature.")}
+    return ArtifactContents(
+        path=root, manifest=manifest, dense_state=dense_state, tables=tables,
+        item_ids_N=index["item_ids"], item_rows_ND=index["embeddings"],
+        item_scale_bias_N2=index.get("scale_bias"), item_side_features=side,
+    )
+
+
+def load_program(artifact_dir: str | os.PathLike):
+    """The exported tower program (`torch.export.load`), after checksums pass. Not used by
+    serving; for tools that run the portable forward."""
+    root = Path(artifact_dir)
+    manifest = verify_artifact(root)
+    if not manifest.get("program"):
+        raise ValueError(f"{root}: this artifact was exported without the torch.export program")
+    return torch.export.load(str(root / PROGRAM_FILE))

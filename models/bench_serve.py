@@ -1,0 +1,329 @@
+"""Serving benchmark: `genrec bench serve [--quick]` -> `run(quick) -> dict`.
+
+What it measures (all side by side in one run, since the machine is shared and noisy):
+
+- p50 / p99 latency and QPS of POST /v1/rank against a real server in a second process on
+  loopback (history 1,024 events, 1M-item corpus, K=500, N=50; quick: 50k items, 256 events,
+  K=200). Latency is single stream (one request in flight); QPS uses several client threads so
+  the server's dynamic batching has something to batch.
+- M-FALCON (history encoded once, candidates scored in micro-batches against the KV cache) vs
+  scoring each candidate by a full forward over history + candidate, in process.
+- int8 vs fp32 artifact: in-process latency of `rank`, bytes held, and the quality change:
+  ranking AUC against labels drawn from the fp32 model's own probabilities, and retrieval
+  NDCG@N of the int8 top-N against the fp32 top-N as ground truth (the model is synthetic,
+  untrained; a trained checkpoint gives the production figure).
+
+Targets from the issue: p99 < 50 ms single stream; M-FALCON >= 10x recompute at K=500.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from genrec.data.config import FeatureSpec
+from genrec.dense.config import TowerConfig
+from genrec.dense.tower import build_tower
+from genrec.models.model import GenerativeRecommender, ModelConfig
+
+
+def _log(msg: str) -> None:
+    print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
+
+
+def build_synthetic_model(*, num_items: int, dim: int = 32, max_seq_len: int = 256, num_layers: int = 2,
+                          num_advertisers: int = 50, num_categories: int = 20, seed: int = 0,
+                          token_combine: str = "sum", kind: str = "hstu"):
+    """A randomly initialized ranking + retrieval model over a torchrec EmbeddingCollection.
+
+    Returns (model, item_ids, item_features): item ids are 0..num_items-1, each with an
+    advertiser and a category (the candidate side features)."""
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+    from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+    torch.manual_seed(seed)
+    spec = FeatureSpec(sparse=["item_id", "action", "advertiser_id", "category_id"], labels=["click", "conversion"])
+    sizes = {"item_id": num_items, "action": 4, "advertiser_id": num_advertisers, "category_id": num_categories}
+    class AnyKeysEmbeddingCollection(EmbeddingCollection):
+        """EmbeddingCollection that accepts a KJT with a subset of its features (the model
+        looks up candidates without the action, and items alone)."""
+
+        def forward(self, kjt: KeyedJaggedTensor):
+            present = set(kjt.keys())
+            names = [f for group in self._feature_names for f in group]
+            missing = [f for f in names if f not in present]
+            if missing:
+                b = kjt.stride()
+                jts = {k: kjt[k] for k in kjt.keys()}
+                empty = JaggedTensor(values=torch.zeros(0, dtype=kjt.values().dtype),
+                                     lengths=torch.zeros(b, dtype=torch.int32))
+                jts.update({f: empty for f in missing})
+                kjt = KeyedJaggedTensor.from_jt_dict({f: jts[f] for f in names})
+            out = super().forward(kjt)
+            return {k: v for k, v in out.items() if k in present}
+
+    ec = AnyKeysEmbeddingCollection(tables=[
+        EmbeddingConfig(name=f"t_{f}", embedding_dim=dim, num_embeddings=n, feature_names=[f]) for f, n in sizes.items()
+    ])
+    with torch.no_grad():
+        for t in ec.embeddings.values():
+            t.weight.normal_(0, 0.1)
+    tower = build_tower(TowerConfig(kind=kind, embedding_dim=dim, num_layers=num_layers, num_heads=2,
+                                    attention_dim=dim // 2, linear_dim=dim // 2, max_seq_len=max_seq_len,
+                                    dropout=0.0))
+    model = GenerativeRecommender(features=spec, cfg=ModelConfig(ranking=True, retrieval=True, token_combine=token_combine),
+                                  embeddings=ec, feature_dims={f: dim for f in sizes}, tower=tower, dim=dim)
+    model.eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    item_ids = torch.arange(num_items)
+    item_features = {"advertiser_id": torch.randint(num_advertisers, (num_items,), generator=gen),
+                     "category_id": torch.randint(num_categories, (num_items,), generator=gen)}
+    return model, item_ids, item_features
+
+
+def synthetic_request(num_items: int, history: int, *, k: int, n: int, seed: int, item_features=None) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    items = torch.randint(num_items, (history,), generator=gen)
+    req = {"item_ids": items.tolist(), "actions": torch.randint(3, (history,), generator=gen).tolist(),
+           "timestamps": (1_700_000_000 + torch.arange(history) * 37).tolist(), "k": k, "n": n}
+    if item_features is not None:
+        req["features"] = {f: col[items].tolist() for f, col in item_features.items()}
+    return req
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server_process(artifact: Path, port: int, *, threads: int = 2, timeout_s: float = 120.0,
+                         extra: list[str] | None = None) -> subprocess.Popen:
+    """`python -m genrec.models.server` on loopback; returns once /healthz answers."""
+    import httpx
+
+    cmd = [sys.executable, "-m", "genrec.models.server", "--artifact", str(artifact), "--host", "127.0.0.1",
+           "--port", str(port), "--threads", str(threads)] + (extra or [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1.0).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server did not become healthy within {timeout_s}s")
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def _auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    order = torch.argsort(scores)
+    ranks = torch.empty_like(order, dtype=torch.float64)
+    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
+    pos = labels.bool()
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def _ndcg(pred: list[int], truth: list[int]) -> float:
+    rel = set(truth)
+    dcg = sum(1.0 / torch.log2(torch.tensor(i + 2.0)).item() for i, x in enumerate(pred) if x in rel)
+    idcg = sum(1.0 / torch.log2(torch.tensor(i + 2.0)).item() for i in range(min(len(truth), len(pred))))
+    return dcg / idcg if idcg else 0.0
+
+
+def quantization_quality(fp32, int8, requests: list[dict], seed: int = 0) -> dict:
+    """Ranking AUC (labels drawn from the fp32 probabilities) and retrieval NDCG@N of the int8
+    top-N against the fp32 top-N, over the same retrieved candidates."""
+    gen = torch.Generator().manual_seed(seed)
+    p32, p8, ndcgs, max_diff = [], [], [], 0.0
+    for req in requests:
+        a = fp32.rank(dict(req, sort_by="retrieval"))
+        b = int8.rank(dict(req, sort_by="retrieval"))
+        ndcgs.append(_ndcg([x["item_id"] for x in b["items"]], [x["item_id"] for x in a["items"]]))
+        by_id = {x["item_id"]: x for x in b["items"]}
+        for x in a["items"]:
+            if x["item_id"] in by_id:
+                task = fp32.tasks[0]
+                p32.append(x["probabilities"][task])
+                p8.append(by_id[x["item_id"]]["probabilities"][task])
+                max_diff = max(max_diff, abs(p32[-1] - p8[-1]))
+    p32_t, p8_t = torch.tensor(p32, dtype=torch.float64), torch.tensor(p8, dtype=torch.float64)
+    labels = torch.bernoulli(p32_t, generator=gen)
+    auc32, auc8 = _auc(p32_t, labels), _auc(p8_t, labels)
+    return {"auc_fp32": auc32, "auc_int8": auc8, "auc_change": auc8 - auc32,
+            "retrieval_ndcg_int8_vs_fp32": sum(ndcgs) / len(ndcgs), "max_abs_prob_diff": max_diff,
+            "num_scored": len(p32)}
+
+
+def _time_calls(fn, n: int, budget_s: float) -> list[float]:
+    times, start = [], time.perf_counter()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+        if time.perf_counter() - start > budget_s:
+            break
+    return times
+
+
+def run(quick: bool) -> dict:
+    from genrec.models.artifact import export_artifact
+    from genrec.models.serving import ServingConfig, load_artifact
+
+    import httpx
+
+    num_items = 50_000 if quick else 1_000_000
+    history = 256 if quick else 1024
+    k, n = (200, 50) if quick else (500, 50)
+    max_seq_len = history + k + 16
+    dim = 32 if quick else 64
+    threads = 2
+    torch.set_num_threads(threads)
+    t_start = time.time()
+    _log(f"building a synthetic model: {num_items:,} items, D={dim}, history {history}, K={k}, N={n}")
+    model, item_ids, item_features = build_synthetic_model(num_items=num_items, dim=dim, max_seq_len=max_seq_len)
+    result: dict = {"num_items": num_items, "history": history, "k": k, "n": n, "dim": dim, "threads": threads}
+    with tempfile.TemporaryDirectory(prefix="genrec_bench_serve_") as tmp:
+        arts = {}
+        for dtype in ("fp32", "int8"):
+            t0 = time.time()
+            arts[dtype] = export_artifact(model, {}, Path(tmp) / dtype, dtype=dtype, item_ids=item_ids,
+                                          item_features=item_features, version=f"bench-{dtype}",
+                                          export_program=False)
+            _log(f"exported {dtype} artifact in {time.time() - t0:.1f}s")
+        del model
+        scfg = ServingConfig(max_k=k, max_history=history)
+        requests = [synthetic_request(num_items, history, k=k, n=n, seed=i, item_features=item_features)
+                    for i in range(8 if quick else 20)]
+
+        # ---- over HTTP, server in a second process
+        port = _free_port()
+        proc = start_server_process(arts["fp32"], port, threads=threads,
+                                    extra=["--max-k", str(k), "--max-history", str(history)])
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30.0) as client:
+                for r in requests[:3]:  # warm-up
+                    client.post("/v1/rank", json=r).raise_for_status()
+                i = [0]
+
+                def one():
+                    client.post("/v1/rank", json=requests[i[0] % len(requests)]).raise_for_status()
+                    i[0] += 1
+                lat = _time_calls(one, 40 if quick else 200, 20 if quick else 90)
+            result.update(p50_ms=_percentile(lat, 50), p99_ms=_percentile(lat, 99), num_latency_requests=len(lat))
+            _log(f"single stream: p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms over {len(lat)} requests")
+            num_clients, per_client = 4, (10 if quick else 30)
+            errors = []
+
+            def client_loop(c):
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as cl:
+                    for j in range(per_client):
+                        r = cl.post("/v1/rank", json=requests[(c + j) % len(requests)])
+                        if r.status_code != 200:
+                            errors.append(r.status_code)
+            t0 = time.perf_counter()
+            ts = [threading.Thread(target=client_loop, args=(c,)) for c in range(num_clients)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            result["qps"] = num_clients * per_client / (time.perf_counter() - t0)
+            result["qps_clients"] = num_clients
+            result["qps_errors"] = len(errors)
+            _log(f"{num_clients} concurrent clients: {result['qps']:.1f} QPS")
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            result["server_batch_size_mean"] = _mean_batch(metrics)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+        # ---- in process: M-FALCON vs recompute, int8 vs fp32
+        rankers = {d: load_artifact(arts[d], scfg) for d in arts}
+        r32 = rankers["fp32"]
+        req = r32.rank_batch  # noqa: F841 (keeps the loaded model warm below)
+        hist = r32._history(_as_request(requests[0]))
+        user, cache = r32.encode([hist])
+        scores, idx = r32.retrieve(user, k, [{}])
+        cand = idx[0]
+        t_mf = _time_calls(lambda: r32.score_candidates(r32.encode([hist])[1], [cand], [hist["request_time"]]),
+                           5, 20)
+        budget_rc = 20 if quick else 120
+        t0 = time.perf_counter()
+        n_rc = 0
+        probs_rc = []
+        for c0 in range(0, k, 16):  # a bounded sample of the K candidates, scaled up
+            probs_rc.append(r32.score_candidates_recompute(hist, cand[c0 : c0 + 16], hist["request_time"]))
+            n_rc += min(16, k - c0)
+            if time.perf_counter() - t0 > budget_rc:
+                break
+        t_rc_ms = (time.perf_counter() - t0) * 1000 * k / n_rc
+        probs_mf = r32.score_candidates(cache, [cand], [hist["request_time"]])
+        result["mfalcon_ms"] = _percentile(t_mf, 50)
+        result["recompute_ms_estimated"] = t_rc_ms
+        result["recompute_candidates_timed"] = n_rc
+        result["mfalcon_speedup"] = t_rc_ms / result["mfalcon_ms"]
+        result["mfalcon_vs_recompute_max_abs_diff"] = float((probs_mf[:n_rc] - torch.cat(probs_rc)).abs().max())
+        _log(f"M-FALCON {result['mfalcon_ms']:.1f} ms vs recompute {t_rc_ms:.0f} ms (est. from {n_rc} candidates): "
+             f"{result['mfalcon_speedup']:.1f}x")
+        lat_d = {}
+        for d, rk in rankers.items():
+            reqs = [_as_request(r) for r in requests]
+            rk.rank(reqs[0])
+            j = [0]
+
+            def call(rk=rk, reqs=reqs):
+                rk.rank(reqs[j[0] % len(reqs)])
+                j[0] += 1
+            lat_d[d] = _percentile(_time_calls(call, 20 if quick else 40, 15 if quick else 40), 50)
+            result[f"{d}_inprocess_p50_ms"] = lat_d[d]
+            result[f"{d}_memory_bytes"] = rk.memory_bytes()
+        result["int8_vs_fp32_latency_ratio"] = lat_d["int8"] / lat_d["fp32"]
+        result["int8_vs_fp32_memory_ratio"] = result["int8_memory_bytes"] / result["fp32_memory_bytes"]
+        quality = quantization_quality(rankers["fp32"], rankers["int8"], requests)
+        result.update({f"int8_{key}": v for key, v in quality.items()})
+        _log(f"int8/fp32 latency {result['int8_vs_fp32_latency_ratio']:.2f}, memory "
+             f"{result['int8_vs_fp32_memory_ratio']:.2f}, AUC change {quality['auc_change']:+.4f}")
+    result["targets_met"] = {"p99_under_50ms": result["p99_ms"] < 50, "mfalcon_10x": result["mfalcon_speedup"] >= 10}
+    result["wall_s"] = time.time() - t_start
+    return result
+
+
+def _as_request(d: dict):
+    from genrec.models.serving import RankRequest
+
+    return RankRequest(**d)
+
+
+def _mean_batch(metrics_text: str) -> float | None:
+    total = count = None
+    for line in metrics_text.splitlines():
+        if line.startswith("genrec_batch_size_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith("genrec_batch_size_count"):
+            count = float(line.split()[-1])
+    return total / count if total is not None and count else None
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(quick="--quick" in sys.argv), indent=2))

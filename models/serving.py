@@ -1,0 +1,375 @@
+"""The serving path: one request -> retrieved, ranked ads, from an exported artifact.
+
+    ranker = load_artifact("artifacts/v1")
+    ranker.rank({"item_ids": [11, 12, 13], "actions": [1, 0, 1], "timestamps": [100, 160, 200],
+                 "k": 500, "n": 50})
+    -> {"model_version": "v1", "history_used": 3, "history_truncated": False,
+        "items": [{"item_id": 31, "score": 0.41, "retrieval_score": 0.83,
+                   "probabilities": {"click": 0.41, "conversion": 0.05}}, ...]}
+
+One call, four steps (`rank_batch` does them for several requests at once):
+
+1. Encode each history once with the dense tower, keeping each layer's keys / values.
+2. Retrieve the top K items by inner product of the normalized last history state with the
+   normalized item index: exact, a matmul + top-k per block of index rows, merged.
+3. Rank those K as candidates appended after the history under the target-aware mask, in
+   micro-batches of `micro_batch` candidates that reuse the cached history (M-FALCON):
+   each micro-batch costs O(history) per layer instead of a full re-encode. Per-task
+   probabilities (e.g. pCTR, pCVR) come from the model's task heads.
+4. Return the top N by the requested task's probability (or the retrieval score).
+
+History rules (documented to clients): events may arrive in any order; they are sorted by
+timestamp (stable), and a history longer than `max_history` keeps its most recent events.
+Candidate features other than the item id (advertiser, campaign, category, ...) come from
+the artifact's item index; history events take them from `features` when given, else from
+the item index too (unknown items read the default row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from genrec.data.config import FeatureSpec
+from genrec.models.artifact import ArtifactContents, ServingTable, load_artifact_contents
+from genrec.models.model import GenerativeRecommender, ModelConfig
+
+RETRIEVAL = "retrieval"
+
+
+@dataclass(kw_only=True)
+class ServingConfig:
+    max_k: int | None = None
+    """Largest K (retrieved candidates) a request may ask for. None: half the tower's
+    max_seq_len, at most 1000 (history + K must fit the tower)."""
+    max_n: int = 1000
+    """Largest N (returned items) a request may ask for."""
+    max_history: int | None = None
+    """Events kept per history (the most recent). None: the tower's max_seq_len minus max_k,
+    so that history + candidates always fit the tower."""
+    max_request_events: int = 100_000
+    """Requests with more events than this are rejected, not truncated (bounds parsing work)."""
+    micro_batch: int = 128
+    """M-FALCON: candidates per user scored at once against the cached history."""
+    retrieval_block_rows: int = 65536
+    """Item-index rows per matmul + top-k block (bounds the score buffer)."""
+    advertiser_feature: str = "advertiser_id"
+    """Item side feature that `allowed_advertisers` filters on."""
+
+
+@dataclass(kw_only=True)
+class RankRequest:
+    item_ids: list[int]
+    """Item id of each recent event of the user."""
+    actions: list[int]
+    """Action code of each event (aligned with item_ids)."""
+    timestamps: list[int]
+    """Event time of each event, unix seconds (aligned with item_ids)."""
+    features: dict[str, list[int]] = field(default_factory=dict)
+    """Optional per-event values of other sparse features (aligned with item_ids)."""
+    k: int = 500
+    """Items retrieved and ranked."""
+    n: int = 50
+    """Items returned."""
+    exclude_seen: bool = False
+    """Never return an item of the history."""
+    allowed_advertisers: list[int] | None = None
+    """Only items of these advertisers (None: all)."""
+    request_time: int | None = None
+    """Time the candidates are scored at; None: the latest history timestamp."""
+    sort_by: str | None = None
+    """A ranking task name or "retrieval"; None: the first ranking task (retrieval when the
+    model has no ranking head)."""
+
+
+class _NoEmbeddings(nn.Module):
+    """Placeholder: serving looks rows up in the artifact's tables directly."""
+
+
+class Ranker:
+    """A loaded artifact answering rank requests. Not thread-safe: one caller at a time."""
+
+    def __init__(self, contents: ArtifactContents, cfg: ServingConfig | None = None,
+                 tower_builder: Callable[[dict], nn.Module] | None = None) -> None:
+        self.cfg = cfg or ServingConfig()
+        self.manifest = m = contents.manifest
+        self.version: str = m["version"]
+        self.dtype: str = m["dtype"]
+        self.path = contents.path
+        where = f"{contents.path / 'manifest.json'}"
+        try:
+            features = FeatureSpec(**m["features"])
+            model_cfg = ModelConfig(**m["model"])
+        except TypeError as e:
+            raise ValueError(f"{where}: features / model do not match this genrec version ({e})") from None
+        tower = (tower_builder or _build_tower)(m["tower"])
+        self.model = GenerativeRecommender(features=features, cfg=model_cfg, embeddings=_NoEmbeddings(),
+                                           feature_dims=m["feature_dims"], tower=tower, dim=m["dim"])
+        result = self.model.load_state_dict(contents.dense_state, strict=False)
+        missing = [k for k in result.missing_keys if not k.startswith("embeddings.")]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"artifact file dense.safetensors does not fit the model: missing {missing}, "
+                             f"unexpected {result.unexpected_keys}")
+        self.model.eval()
+        self.features = features
+        self.tasks: list[str] = list(model_cfg.ranking_tasks) if model_cfg.ranking else []
+        self.table_of: dict[str, ServingTable] = {}
+        for name, meta in m["tables"].items():
+            for f in meta["features"]:
+                self.table_of[f] = contents.tables[name]
+        self.item_ids_N = contents.item_ids_N
+        self.item_rows_ND = contents.item_rows_ND
+        self.item_scale_bias_N2 = contents.item_scale_bias_N2
+        self.item_side = contents.item_side_features
+        self.side_features = [f for f in self.model.candidate_features if f != features.item]
+        max_seq_len = int(m["tower"]["max_seq_len"])
+        self.max_k = self.cfg.max_k or min(1000, max_seq_len // 2)
+        if self.max_k >= max_seq_len:
+            raise ValueError(f"ServingConfig.max_k ({self.max_k}) must be below the tower's max_seq_len ({max_seq_len})")
+        self.max_history = self.cfg.max_history or (max_seq_len - self.max_k)
+        if self.max_history + self.max_k > max_seq_len:
+            raise ValueError(f"ServingConfig.max_history + max_k must be <= the tower's max_seq_len ({max_seq_len})")
+
+    # ---- request handling -----------------------------------------------------------------
+
+    def check(self, req: RankRequest) -> None:
+        """ValueError naming the field for a request this model cannot answer."""
+        n_events = len(req.item_ids)
+        if n_events == 0:
+            raise ValueError("item_ids: the history needs at least one event")
+        if n_events > self.cfg.max_request_events:
+            raise ValueError(f"item_ids: {n_events} events, more than the limit {self.cfg.max_request_events}")
+        for name in ("actions", "timestamps"):
+            if len(getattr(req, name)) != n_events:
+                raise ValueError(f"{name}: {len(getattr(req, name))} values, item_ids has {n_events}")
+        for f, vals in req.features.items():
+            if f not in self.side_features:
+                raise ValueError(f"features.{f}: not a context feature of this model ({self.side_features})")
+            if len(vals) != n_events:
+                raise ValueError(f"features.{f}: {len(vals)} values, item_ids has {n_events}")
+        if not 1 <= req.k <= self.max_k:
+            raise ValueError(f"k: must be in [1, {self.max_k}], got {req.k}")
+        if not 1 <= req.n <= min(req.k, self.cfg.max_n):
+            raise ValueError(f"n: must be in [1, min(k, {self.cfg.max_n})], got {req.n}")
+        if req.sort_by is not None and req.sort_by not in self.tasks + [RETRIEVAL]:
+            raise ValueError(f"sort_by: {req.sort_by!r} is not one of {self.tasks + [RETRIEVAL]}")
+        if req.allowed_advertisers is not None and self.cfg.advertiser_feature not in self.item_side:
+            raise ValueError(f"allowed_advertisers: this artifact's items carry no {self.cfg.advertiser_feature!r}")
+
+    def rank(self, request: RankRequest | dict) -> dict[str, Any]:
+        return self.rank_batch([request])[0]
+
+    @torch.no_grad()
+    def rank_batch(self, requests: list[RankRequest | dict]) -> list[dict[str, Any]]:
+        reqs = [r if isinstance(r, RankRequest) else RankRequest(**r) for r in requests]
+        for r in reqs:
+            self.check(r)
+        hist = [self._history(r) for r in reqs]
+        user_BD, cache = self.encode(hist)
+        ks = [r.k for r in reqs]
+        masks = [self._filters(r, h) for r, h in zip(reqs, hist)]
+        ret_scores, ret_idx = self.retrieve(user_BD, max(ks), masks)
+        cand_idx = []
+        for b, k in enumerate(ks):
+            keep = torch.isfinite(ret_scores[b, :k])
+            cand_idx.append(ret_idx[b, :k][keep])
+        probs_CT = None
+        if self.tasks:
+            times = [h["request_time"] for h in hist]
+            probs_CT = self.score_candidates(cache, cand_idx, times)
+        out, c0 = [], 0
+        for b, r in enumerate(reqs):
+            idx = cand_idx[b]
+            c = idx.numel()
+            retrieval = ret_scores[b, :c]
+            probs = probs_CT[c0 : c0 + c] if probs_CT is not None else None
+            c0 += c
+            sort_by = r.sort_by or (self.tasks[0] if self.tasks else RETRIEVAL)
+            key = retrieval if sort_by == RETRIEVAL else probs[:, self.tasks.index(sort_by)]
+            order = torch.argsort(key, descending=True, stable=True)[: r.n]
+            ids = self.item_ids_N[idx[order]].tolist()
+            items = []
+            for j, pos in enumerate(order.tolist()):
+                item = {"item_id": ids[j], "score": float(key[pos]), "retrieval_score": float(retrieval[pos])}
+                if probs is not None:
+                    item["probabilities"] = {t: float(probs[pos, i]) for i, t in enumerate(self.tasks)}
+                items.append(item)
+            out.append({"model_version": self.version, "items": items, "history_used": hist[b]["length"],
+                        "history_truncated": hist[b]["truncated"]})
+        return out
+
+    # ---- the four steps -------------------------------------------------------------------
+
+    def _history(self, req: RankRequest) -> dict[str, Any]:
+        """Sorted, truncated history of one request: feature ids and timestamps."""
+        ts = torch.tensor(req.timestamps, dtype=torch.int64)
+        order = torch.argsort(ts, stable=True)
+        truncated = order.numel() > self.max_history
+        order = order[-self.max_history :]
+        spec = self.features
+        items = torch.tensor(req.item_ids, dtype=torch.int64)[order]
+        feats = {spec.item: (items, None), spec.action: (torch.tensor(req.actions, dtype=torch.int64)[order], None)}
+        pos, known = self._item_positions(items)
+        for f in self.side_features:
+            if f in req.features:
+                feats[f] = (torch.tensor(req.features[f], dtype=torch.int64)[order], None)
+            else:
+                feats[f] = (self.item_side[f][pos], known)
+        ts = ts[order]
+        request_time = int(ts[-1]) if req.request_time is None else req.request_time
+        return {"features": feats, "timestamps": ts, "length": int(items.numel()), "truncated": truncated,
+                "items": items, "request_time": request_time}
+
+    def _item_positions(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.item_ids_N.numel()
+        pos = torch.searchsorted(self.item_ids_N, ids).clamp(max=n - 1)
+        return pos, self.item_ids_N[pos] == ids
+
+    def _rows(self, feature: str, ids: torch.Tensor, known: torch.Tensor | None) -> torch.Tensor:
+        rows = self.table_of[feature].lookup(ids)
+        return rows if known is None else rows * known.unsqueeze(1)
+
+    def _tokens(self, feats: dict[str, tuple[torch.Tensor, torch.Tensor | None]], keys: list[str],
+                which: str) -> torch.Tensor:
+        # Same combination as GenerativeRecommender._tokens, so fp32 artifacts match bit for bit.
+        parts = [self._rows(k, *feats[k]) for k in keys]
+        if self.model.project is None:
+            return torch.stack(parts).sum(0)
+        return self.model.project[which](torch.cat(parts, dim=-1))
+
+    def history_tokens(self, hist: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens [T, D], offsets [B + 1], timestamps [T]) of a batch of histories."""
+        keys = self.features.sparse
+        merged = {k: (torch.cat([h["features"][k][0] for h in hist]),
+                      None if hist[0]["features"][k][1] is None and all(h["features"][k][1] is None for h in hist)
+                      else torch.cat([h["features"][k][1] if h["features"][k][1] is not None
+                                      else torch.ones(h["length"], dtype=torch.bool) for h in hist]))
+                  for k in keys}
+        tokens_TD = self._tokens(merged, keys, "history")
+        offsets_B1 = torch.tensor([0] + [h["length"] for h in hist]).cumsum(0)
+        return tokens_TD, offsets_B1, torch.cat([h["timestamps"] for h in hist])
+
+    def encode(self, hist: list[dict]):
+        """Step 1: the histories once through the tower -> (normalized user vectors [B, D], cache)."""
+        tokens_TD, offsets_B1, ts_T = self.history_tokens(hist)
+        states_TD, cache = self.model.tower.encode_history(tokens_TD, offsets_B1, ts_T)
+        return F.normalize(states_TD[offsets_B1[1:] - 1].float(), dim=-1, eps=1e-6), cache
+
+    def _filters(self, req: RankRequest, hist: dict) -> dict[str, torch.Tensor]:
+        masks = {}
+        if req.exclude_seen:
+            pos, known = self._item_positions(hist["items"])
+            masks["exclude"] = pos[known]
+        if req.allowed_advertisers is not None:
+            adv = self.item_side[self.cfg.advertiser_feature]
+            masks["allowed_N"] = torch.isin(adv, torch.tensor(req.allowed_advertisers, dtype=torch.int64))
+        return masks
+
+    def retrieve(self, user_BD: torch.Tensor, k: int, masks: list[dict[str, torch.Tensor]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 2: exact top-k inner products over the item index, block by block.
+        Returns (scores [B, k'], item-index positions [B, k']); filtered-out items score -inf."""
+        n = self.item_ids_N.numel()
+        B = user_BD.shape[0]
+        best_s = user_BD.new_empty((B, 0))
+        best_i = torch.empty((B, 0), dtype=torch.int64)
+        sum_u_B1 = user_BD.sum(1, keepdim=True)
+        step = self.cfg.retrieval_block_rows
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            rows = self.item_rows_ND[s:e]
+            scores = user_BD @ rows.float().T  # int8: (u . q) * scale + bias * sum(u)
+            if self.item_scale_bias_N2 is not None:
+                sb = self.item_scale_bias_N2[s:e]
+                scores = torch.addcmul(sum_u_B1 * sb[:, 1], scores, sb[:, 0].unsqueeze(0))
+            for b, mask in enumerate(masks):
+                if "allowed_N" in mask:
+                    scores[b].masked_fill_(~mask["allowed_N"][s:e], float("-inf"))
+                if "exclude" in mask:
+                    ex = mask["exclude"]
+                    ex = ex[(ex >= s) & (ex < e)] - s
+                    scores[b, ex] = float("-inf")
+            top = scores.topk(min(k, e - s), dim=1)
+            best_s = torch.cat([best_s, top.values], dim=1)
+            best_i = torch.cat([best_i, top.indices + s], dim=1)
+            if best_s.shape[1] > k:
+                top = best_s.topk(k, dim=1)
+                best_s, best_i = top.values, best_i.gather(1, top.indices)
+        order = best_s.argsort(dim=1, descending=True, stable=True)
+        return best_s.gather(1, order), best_i.gather(1, order)
+
+    def candidate_tokens(self, cand_idx: list[torch.Tensor]) -> torch.Tensor:
+        idx = torch.cat(cand_idx)
+        spec = self.features
+        feats = {spec.item: (self.item_ids_N[idx], None)}
+        for f in self.side_features:
+            feats[f] = (self.item_side[f][idx], None)
+        return self._tokens(feats, self.model.candidate_features, "candidates")
+
+    def score_candidates(self, cache, cand_idx: list[torch.Tensor], times: list[int]) -> torch.Tensor:
+        """Step 3 (M-FALCON): candidate probabilities [C, tasks] against the cached histories,
+        `micro_batch` candidates per user per tower call."""
+        tokens_CD = self.candidate_tokens(cand_idx)
+        counts_B = torch.tensor([c.numel() for c in cand_idx])
+        offsets_B1 = torch.cat([torch.zeros(1, dtype=torch.int64), counts_B.cumsum(0)])
+        ts_C = torch.repeat_interleave(torch.tensor(times, dtype=torch.int64), counts_B)
+        states_CD = tokens_CD.new_empty(tokens_CD.shape)
+        m = self.cfg.micro_batch
+        for c0 in range(0, max([0] + counts_B.tolist()), m):
+            lo_B = (offsets_B1[:-1] + c0).minimum(offsets_B1[1:])
+            hi_B = (lo_B + m).minimum(offsets_B1[1:])
+            sel = torch.cat([torch.arange(int(a), int(z)) for a, z in zip(lo_B, hi_B)])
+            chunk_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), (hi_B - lo_B).cumsum(0)])
+            states_CD[sel] = self.model.tower.score_targets(cache, tokens_CD[sel], chunk_offsets, ts_C[sel])
+        return torch.sigmoid(self.model.ranking_logits(states_CD))
+
+    def score_candidates_recompute(self, hist: dict, cand_idx: torch.Tensor, time: int,
+                                   rows_per_call: int = 16) -> torch.Tensor:
+        """Baseline for M-FALCON: each candidate scored by a full forward over history +
+        that candidate (no cache). Same result, O(history) tower work per candidate."""
+        h_TD, _, h_ts = self.history_tokens([hist])
+        cand_TD = self.candidate_tokens([cand_idx])
+        L = h_TD.shape[0]
+        out = []
+        for c0 in range(0, cand_TD.shape[0], rows_per_call):
+            c = cand_TD[c0 : c0 + rows_per_call]
+            r = c.shape[0]
+            values = torch.cat([h_TD.unsqueeze(0).expand(r, L, -1), c.unsqueeze(1)], dim=1).reshape(r * (L + 1), -1)
+            ts = torch.cat([h_ts.unsqueeze(0).expand(r, L), torch.full((r, 1), time)], dim=1).reshape(-1)
+            offsets = torch.arange(r + 1) * (L + 1)
+            states = self.model.tower(values, offsets, ts, num_targets_B=torch.ones(r, dtype=torch.int64))
+            out.append(states.view(r, L + 1, -1)[:, -1])
+        return torch.sigmoid(self.model.ranking_logits(torch.cat(out)))
+
+    def memory_bytes(self) -> int:
+        """Bytes held by tables, item index and dense weights."""
+        tables = {id(t): t for t in self.table_of.values()}
+        total = sum(t.nbytes() for t in tables.values())
+        total += self.item_ids_N.nbytes + self.item_rows_ND.nbytes + sum(v.nbytes for v in self.item_side.values())
+        if self.item_scale_bias_N2 is not None:
+            total += self.item_scale_bias_N2.nbytes
+        return total + sum(p.nbytes for p in self.model.parameters())
+
+
+def _build_tower(tower_cfg: dict) -> nn.Module:
+    from genrec.dense.config import TowerConfig
+    from genrec.dense.tower import build_tower
+
+    names = {f.name for f in dataclasses.fields(TowerConfig)}
+    unknown = sorted(set(tower_cfg) - names)
+    if unknown:
+        raise ValueError(f"artifact manifest: tower config keys {unknown} are unknown to this genrec version")
+    return build_tower(TowerConfig(**tower_cfg))
+
+
+def load_artifact(artifact_dir: str | os.PathLike, cfg: ServingConfig | None = None,
+                  tower_builder: Callable[[dict], nn.Module] | None = None) -> Ranker:
+    """Verify and load an exported artifact into a `Ranker` (no pickle: JSON + safetensors)."""
+    return Ranker(load_artifact_contents(Path(artifact_dir)), cfg, tower_builder)
