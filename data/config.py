@@ -23,3 +23,4 @@ class FeatureSpec:
     """Per-event id features, in KeyedJaggedTensor key order. Must include `item`."""
     labels: list[str] = field(default_factory=lambda: ["click", "conversion"])
     """0/1 label columns, one ranking task each."""
+

@@ -72,10 +72,11 @@ def interleave_jagged(
     offsets_B1 = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths_B)
     a_offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(a_lengths_B)
     b_offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(b_lengths_B)
-    a_row = torch.repeat_interleave(torch.arange(len(a_lengths_B)), a_lengths_B)
-    b_row = torch.repeat_interleave(torch.arange(len(b_lengths_B)), b_lengths_B)
-    a_pos = offsets_B1[a_row] + torch.arange(a_TD.shape[0]) - a_offsets[a_row]
-    b_pos = offsets_B1[b_row] + a_lengths_B[b_row] + torch.arange(b_TD.shape[0]) - b_offsets[b_row]
+    rows_B = torch.arange(len(a_lengths_B), device=a_TD.device)
+    a_row = torch.repeat_interleave(rows_B, a_lengths_B)
+    b_row = torch.repeat_interleave(rows_B, b_lengths_B)
+    a_pos = offsets_B1[a_row] + torch.arange(a_TD.shape[0], device=a_TD.device) - a_offsets[a_row]
+    b_pos = offsets_B1[b_row] + a_lengths_B[b_row] + torch.arange(b_TD.shape[0], device=a_TD.device) - b_offsets[b_row]
     out = a_TD.new_empty((a_TD.shape[0] + b_TD.shape[0],) + tuple(a_TD.shape[1:]))
     out[a_pos] = a_TD
     out[b_pos] = b_TD
@@ -149,12 +150,12 @@ class GenerativeRecommender(nn.Module):
 
     # ---- tokens -------------------------------------------------------------------------
 
-    def _tokens(self, kjt: KeyedJaggedTensor, keys: list[str], which: str) -> torch.Tensor:
+    def _tokens(self, kjt: KeyedJaggedTensor, keys: list[str], which: str) -> tuple[torch.Tensor, dict]:
         embedded = self.embeddings(kjt)
         parts = [embedded[k].values() for k in keys]
         if self.project is None:
-            return torch.stack(parts).sum(0)
-        return self.project[which](torch.cat(parts, dim=-1))
+            return torch.stack(parts).sum(0), embedded
+        return self.project[which](torch.cat(parts, dim=-1)), embedded
 
     def _candidate_kjt(self, candidates: KeyedJaggedTensor) -> KeyedJaggedTensor:
         return KeyedJaggedTensor.from_jt_dict({k: candidates[k] for k in self.candidate_features})
@@ -163,36 +164,46 @@ class GenerativeRecommender(nn.Module):
         """Embedding rows of `item_ids` from the item feature's table: [N, D]."""
         kjt = KeyedJaggedTensor(
             keys=[self.features.item], values=item_ids,
-            lengths=torch.ones_like(item_ids, dtype=torch.int32) if item_ids.numel() else torch.zeros(0, dtype=torch.int32),
+            lengths=torch.ones(item_ids.shape[0], dtype=torch.int32, device=item_ids.device),
         )
         return self.embeddings(kjt)[self.features.item].values()
 
-    def encode(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """History states [T, D] (causal), and candidate states [C, D] when candidates exist."""
-        tokens_TD = self._tokens(batch.history, self.features.sparse, "history")
+    def encode(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """History states [T, D] (causal), candidate states [C, D] (None without candidates),
+        and the history's item rows [T, D] (the retrieval head's positives)."""
+        tokens_TD, embedded = self._tokens(batch.history, self.features.sparse, "history")
+        item_rows_TD = embedded[self.features.item].values()
         lengths_B = batch.history_lengths_B
         if batch.candidates is None:
             states = self.tower(tokens_TD, batch.history_offsets_B1, batch.timestamps_T)
-            return states, None
-        cand_TD = self._tokens(self._candidate_kjt(batch.candidates), self.candidate_features, "candidates")
+            return states, None, item_rows_TD
+        cand_TD, _ = self._tokens(self._candidate_kjt(batch.candidates), self.candidate_features, "candidates")
         cand_lengths_B = batch.candidates.lengths().view(len(batch.candidates.keys()), -1)[0].long()
         values, offsets_B1, cand_pos = interleave_jagged(tokens_TD, lengths_B, cand_TD, cand_lengths_B)
         ts, _, _ = interleave_jagged(
             batch.timestamps_T.unsqueeze(-1), lengths_B, batch.candidate_timestamps_C.unsqueeze(-1), cand_lengths_B
         )
         states = self.tower(values, offsets_B1, ts.squeeze(-1), num_targets_B=cand_lengths_B)
-        hist_mask = torch.ones(states.shape[0], dtype=torch.bool)
+        hist_mask = torch.ones(states.shape[0], dtype=torch.bool, device=states.device)
         hist_mask[cand_pos] = False
-        return states[hist_mask], states[cand_pos]
+        return states[hist_mask], states[cand_pos], item_rows_TD
 
     # ---- heads --------------------------------------------------------------------------
 
-    def retrieval_loss(self, batch: Batch, states_TD: torch.Tensor) -> torch.Tensor:
+    def retrieval_loss(self, batch: Batch, states_TD: torch.Tensor, item_rows_TD: torch.Tensor) -> torch.Tensor:
+        """Sampled softmax: each position's state against the next event's item row and
+        `num_negatives` items drawn uniformly from the corpus (shared by the batch)."""
+        if self.item_corpus.numel() == 0:
+            raise ValueError("retrieval needs the item corpus: call set_item_corpus() with the prepared item ids")
+        # The negatives are looked up even when no position is a target: the sharded store's
+        # forward and backward are collectives, so every rank makes the same calls each step.
+        neg_ids = self.item_corpus[torch.randint(len(self.item_corpus), (self.cfg.num_negatives,))]
+        neg_rows = self.item_rows(neg_ids.to(states_TD.device))
         item_ids_T = batch.history[self.features.item].values()
         lengths_B = batch.history_lengths_B
         offsets_B1 = batch.history_offsets_B1
         # Position t predicts position t + 1 of the same row: every position but each row's last.
-        is_last = torch.zeros(item_ids_T.shape[0], dtype=torch.bool)
+        is_last = torch.zeros(item_ids_T.shape[0], dtype=torch.bool, device=item_ids_T.device)
         is_last[offsets_B1[1:][lengths_B > 0] - 1] = True
         src = torch.nonzero(~is_last).squeeze(-1)
         tgt = src + 1
@@ -201,22 +212,20 @@ class GenerativeRecommender(nn.Module):
             keep = actions[tgt] >= self.cfg.min_target_action
             src, tgt = src[keep], tgt[keep]
         if src.numel() == 0:
-            return states_TD.sum() * 0.0
+            return (neg_rows.sum() + states_TD.sum() + item_rows_TD.sum()) * 0.0
         query = _normalize(states_TD[src])
         target_ids = item_ids_T[tgt]
-        positive = _normalize(self.item_rows(target_ids))
-        if self.item_corpus.numel() == 0:
-            raise ValueError("retrieval needs the item corpus: call set_item_corpus() with the prepared item ids")
-        neg_ids = self.item_corpus[torch.randint(len(self.item_corpus), (self.cfg.num_negatives,))]
+        positive = _normalize(item_rows_TD[tgt])
+        negative = _normalize(neg_rows)
         if self.cfg.in_batch_negatives:
             neg_ids = torch.cat([neg_ids, target_ids])
-        negative = _normalize(self.item_rows(neg_ids))
+            negative = torch.cat([negative, positive])
         pos_logit = (query * positive).sum(-1, keepdim=True)
         neg_logits = query @ negative.T
         # An accidental hit (a negative that is the target itself) is not a negative.
         neg_logits = neg_logits.masked_fill(neg_ids.unsqueeze(0) == target_ids.unsqueeze(1), float("-inf"))
         logits = torch.cat([pos_logit, neg_logits], dim=1) / self.cfg.temperature
-        return F.cross_entropy(logits, torch.zeros(len(src), dtype=torch.long))
+        return F.cross_entropy(logits, torch.zeros(len(src), dtype=torch.long, device=logits.device))
 
     def ranking_logits(self, cand_states_CD: torch.Tensor) -> torch.Tensor:
         return self.task_heads(cand_states_CD).float()
@@ -224,11 +233,11 @@ class GenerativeRecommender(nn.Module):
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Training loss and its parts."""
         use_candidates = self.cfg.ranking and batch.candidates is not None
-        states, cand_states = self.encode(batch if use_candidates else _without_candidates(batch))
+        states, cand_states, item_rows = self.encode(batch if use_candidates else _without_candidates(batch))
         loss = states.new_zeros((), dtype=torch.float32)
         parts: dict[str, float] = {}
         if self.cfg.retrieval:
-            r = self.retrieval_loss(batch, states)
+            r = self.retrieval_loss(batch, states, item_rows)
             loss = loss + self.cfg.retrieval_weight * r
             parts["retrieval_loss"] = float(r.detach())
         if use_candidates:
@@ -245,7 +254,8 @@ class GenerativeRecommender(nn.Module):
     @torch.no_grad()
     def user_embeddings(self, batch: Batch) -> torch.Tensor:
         """Normalized state of each user's last history event: [B, D]."""
-        states, _ = self.encode(_without_candidates(batch))
+        states, _, _ = self.encode(_without_candidates(batch))
+        assert bool((batch.history_lengths_B > 0).all()), "every user needs a history to be scored"
         last = batch.history_offsets_B1[1:] - 1
         return _normalize(states[last])
 
@@ -257,7 +267,7 @@ class GenerativeRecommender(nn.Module):
     @torch.no_grad()
     def rank_probabilities(self, batch: Batch) -> torch.Tensor:
         """Per-candidate, per-task probabilities [C, num_tasks]."""
-        _, cand_states = self.encode(batch)
+        _, cand_states, _ = self.encode(batch)
         return torch.sigmoid(self.ranking_logits(cand_states))
 
 
