@@ -528,6 +528,12 @@ class PopularityScorer:
         """[B, N] view (no copy) of the shared score row."""
         return self.scores_N.to(device)[None, :].expand(batch_size, -1)
 
+    def candidate_probs(self, item_idx_C: torch.Tensor) -> torch.Tensor:
+        """float [C] in (0, 1], ordered like the popularity scores, to feed `RankingMetrics`
+        for ranking candidates. Only the order-based figures (AUC, GAUC) mean anything for
+        this baseline; its log loss and calibration do not."""
+        return self.scores_N[torch.as_tensor(item_idx_C).long().cpu()] / len(self.scores_N)
+
 
 # --------------------------------------------------------------------------- bootstrap
 

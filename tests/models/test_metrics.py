@@ -341,6 +341,8 @@ def test_popularity_scorer_orders_by_count_and_breaks_ties_by_index():
     # User 0 has seen item 1, so item 2 (the next most popular) is on top.
     m.update(pop.scores(2), torch.tensor([2, 0]), torch.tensor([[1], [-1]]))
     assert m.ranks().tolist() == [0, 2]
+    probs = pop.candidate_probs(torch.tensor([1, 3, 0]))
+    assert probs.tolist() == [1.0, 0.25, 0.5]
     with pytest.raises(ValueError):
         item_counts(torch.tensor([4]), 4)
 

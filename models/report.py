@@ -1,0 +1,317 @@
+"""Evaluation report writer: report.json (flat keys), report.md (tables) and PNG plots.
+
+The input is a nested dict, mostly the `compute()` outputs of `genrec.models.metrics`:
+
+    {
+      "name": "hstu-ml100k",                                   # optional, shown in report.md
+      "retrieval": {"count": 943, "hr@10": 0.21, "ndcg@10": 0.11, ..., "mrr": 0.09},
+      "ranking": {"click": {"auc": 0.71, "gauc": 0.66, "ne": 0.93, "reliability": [...], ...}},
+      "slices": {"retrieval": {"history_length": {"0-4": {"count": 12, "hr@10": ...}, ...},
+                               "item_popularity": {"head": {...}, "torso": {...}, "tail": {...}}},
+                 "ranking": {"user_type": {"new": {"click": {...}}, "returning": {...}}}},
+      "ci": {"retrieval.hr@10": {"estimate": 0.21, "low": 0.19, "high": 0.23, ...}},
+      "baselines": {"popularity": {"retrieval": {...}, "ranking": {...}, "slices": {...}}},
+      "comparisons": {"popularity": {"retrieval.hr@10": {"diff": 0.05, "low": ..., "high": ...,
+                                                         "p_value": 0.001}}},
+      "config": {...}, "data_manifest_checksums": {"train.parquet": "sha256:..."},
+      "versions": collect_versions(),
+    }
+
+report.json holds every figure under a stable flat key, the nested dicts joined by dots and
+lists by index (`retrieval.hr@10`, `ranking.click.auc`, `ranking.click.reliability.3.observed`,
+`slices.retrieval.history_length.5-19.hr@10`, `baselines.popularity.retrieval.mrr`,
+`ci.retrieval.hr@10.low`), next to the three run-description keys `config`,
+`data_manifest_checksums` and `versions`, which stay nested. Undefined figures are null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from collections.abc import Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+META_KEYS = ("config", "data_manifest_checksums", "versions")
+"""Keys every report carries, kept nested in report.json."""
+
+DEFAULT_SLICE_PLOTS = ("history_length", "item_popularity")
+"""Slice columns plotted by default when the report has them."""
+
+_SLICE_TABLE_SKIP = ("reliability", "positives", "base_rate", "mean_pred", "gauc_users", "gauc_skipped_users")
+"""Per-slice figures left out of the markdown tables (they stay in report.json)."""
+
+
+def collect_versions() -> dict[str, str]:
+    """Versions of the interpreter and the packages that decide the numbers."""
+    out = {"python": sys.version.split()[0]}
+    for package in ("genrec", "torch", "torchrec", "fbgemm-gpu-cpu", "fbgemm-gpu", "numpy", "torchmetrics"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _scalar(value: Any, key: str) -> Any:
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():
+        value = value.item()  # numpy scalars, 0-d arrays and tensors
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    raise ValueError(f"report key '{key}': {type(value).__name__} is not a number, string, bool or None")
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts / lists -> {"a.b.0.c": scalar}; NaN and inf become None."""
+    if isinstance(tree, Mapping):
+        items = [(str(k), v) for k, v in tree.items()]
+    elif isinstance(tree, (list, tuple)):
+        items = [(str(i), v) for i, v in enumerate(tree)]
+    else:
+        return {prefix: _scalar(tree, prefix)}
+    out: dict[str, Any] = {}
+    for key, value in items:
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else key))
+    return out
+
+
+def _plain(tree: Any, key: str) -> Any:
+    """JSON-safe copy of a meta value (numpy scalars to Python, NaN to None)."""
+    if isinstance(tree, Mapping):
+        return {str(k): _plain(v, f"{key}.{k}") for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_plain(v, f"{key}.{i}") for i, v in enumerate(tree)]
+    return _scalar(tree, key)
+
+
+def report_json(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The report.json object: flat figures plus the nested meta keys."""
+    missing = [k for k in META_KEYS if k not in report]
+    if missing:
+        raise ValueError(f"report is missing {missing} (every report records {list(META_KEYS)})")
+    out = flatten({k: v for k, v in report.items() if k not in META_KEYS})
+    for key in META_KEYS:
+        out[key] = _plain(report[key], key)
+    return out
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
+    return str(value)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_fmt(v) if not isinstance(v, str) else v for v in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _headline(section: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat retrieval.* / ranking.* figures without the per-bin reliability curve."""
+    flat = flatten({k: section[k] for k in ("retrieval", "ranking") if k in section})
+    return {k: v for k, v in flat.items() if ".reliability." not in k}
+
+
+def _markdown(report: Mapping[str, Any], plot_files: Sequence[str]) -> str:
+    name = report.get("name", "model")
+    baselines: Mapping[str, Any] = report.get("baselines", {})
+    ci: Mapping[str, Any] = report.get("ci", {})
+    lines = [f"# Evaluation report: {name}", ""]
+
+    model = _headline(report)
+    base_flat = {b: _headline(v) for b, v in baselines.items()}
+    if model:
+        lines += ["## Model vs baselines", ""]
+        level = next((int(round(100 * c["confidence"])) for c in ci.values() if c.get("confidence")), 95)
+        header = ["metric", str(name), f"{level}% CI", *baselines]
+        rows = []
+        for key, value in model.items():
+            c = ci.get(key)
+            interval = f"[{_fmt(c['low'])}, {_fmt(c['high'])}]" if c else "—"
+            rows.append([key, value, interval, *(base_flat[b].get(key) for b in baselines)])
+        lines += _table(header, rows)
+
+    for baseline, comparison in report.get("comparisons", {}).items():
+        lines += [f"## {name} minus {baseline} (paired bootstrap over users)", ""]
+        rows = [[key, c.get("diff"), f"[{_fmt(c.get('low'))}, {_fmt(c.get('high'))}]", c.get("p_value")]
+                for key, c in comparison.items()]
+        lines += _table(["metric", "difference", "CI", "p-value"], rows)
+
+    for model_name, model_report in _models(report):
+        for section, columns in model_report.get("slices", {}).items():
+            lines += _slice_tables(model_name, section, columns)
+
+    if plot_files:
+        lines += ["## Plots", ""] + [f"![{Path(f).stem}]({f})" for f in plot_files] + [""]
+
+    lines += ["## Run", "", "Data manifest checksums:", ""]
+    lines += _table(["file", "checksum"], [[str(k), str(v)] for k, v in report["data_manifest_checksums"].items()])
+    lines += ["Versions:", ""]
+    lines += _table(["package", "version"], [[str(k), str(v)] for k, v in report["versions"].items()])
+    lines += ["Config:", "", "```json", json.dumps(_plain(report["config"], "config"), indent=2, sort_keys=True),
+              "```", ""]
+    return "\n".join(lines)
+
+
+def _slice_tables(model_name: str, section: str, columns: Mapping[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for column, values in columns.items():
+        lines += [f"## Slices ({model_name}): {section} by {column}", ""]
+        flat = {value: {k: v for k, v in flatten(m).items() if not any(s in k for s in _SLICE_TABLE_SKIP)}
+                for value, m in values.items()}
+        keys: list[str] = []
+        for m in flat.values():
+            keys += [k for k in m if k not in keys]
+        lines += _table([column, *keys], [[str(value), *(m.get(k) for k in keys)] for value, m in flat.items()])
+    return lines
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _models(report: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    return [(str(report.get("name", "model")), report), *report.get("baselines", {}).items()]
+
+
+def _slice_metric(values: Mapping[str, Any]) -> str | None:
+    """The figure a slice plot shows: NDCG@10-like retrieval metric first, else a task's AUC."""
+    for m in values.values():
+        flat = flatten(m)
+        for preferred in ("ndcg@10", "hr@10"):
+            if preferred in flat:
+                return preferred
+        for key in flat:
+            if key.endswith(".auc") or key.startswith("ndcg@") or key == "mrr":
+                return key
+    return None
+
+
+def _plot_slice(path: Path, report: Mapping[str, Any], column: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    section = next((s for s, cols in report.get("slices", {}).items() if column in cols), None)
+    if section is None:
+        raise ValueError(f"plots: no slice column '{column}' in report['slices']")
+    values = report["slices"][section][column]
+    metric = _slice_metric(values)
+    if metric is None:
+        raise ValueError(f"plots: slice column '{column}' has no plottable metric")
+    labels = list(values)
+    fig = Figure(figsize=(max(5.0, 1.1 * len(labels) + 2), 3.6))
+    FigureCanvasAgg(fig)  # Agg: files only, no display and no pyplot global state
+    ax = fig.add_subplot()
+    series = [(n, m.get("slices", {}).get(section, {}).get(column)) for n, m in _models(report)]
+    series = [(n, v) for n, v in series if v]
+    width = 0.8 / len(series)
+    for i, (name, vals) in enumerate(series):
+        ys = [flatten(vals.get(label, {})).get(metric) for label in labels]
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))]
+        ax.bar(xs, [math.nan if y is None else y for y in ys], width=width, label=name)
+    # Retrieval slices carry "count"; ranking slices carry one per task ("click.count").
+    count_key = "count" if "." not in metric else f"{metric.split('.')[0]}.count"
+    counts = [flatten(values[label]).get(count_key) for label in labels]
+    ax.set_xticks(range(len(labels)), [f"{label}\n(n={c})" for label, c in zip(labels, counts)])
+    ax.set_xlabel(column)
+    ax.set_ylabel(metric or "")
+    ax.set_title(f"{section} {metric} by {column}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _plot_calibration(path: Path, report: Mapping[str, Any]) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    tasks = list(report.get("ranking", {}))
+    if not tasks:
+        raise ValueError("plots: 'calibration' needs report['ranking']")
+    fig = Figure(figsize=(4.2 * len(tasks), 4.0))
+    FigureCanvasAgg(fig)
+    for i, task in enumerate(tasks):
+        ax = fig.add_subplot(1, len(tasks), i + 1)
+        ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="perfect")
+        for name, m in _models(report):
+            bins = [b for b in m.get("ranking", {}).get(task, {}).get("reliability", []) if b.get("count")]
+            if bins:
+                ax.plot([b["mean_pred"] for b in bins], [b["observed"] for b in bins], marker="o", label=name)
+        ax.set_xlim(-0.02, 1.02)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("mean predicted probability")
+        ax.set_ylabel("observed rate")
+        ax.set_title(f"{task} calibration")
+        ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _plot_names(report: Mapping[str, Any], plots: bool | Sequence[str]) -> list[str]:
+    if plots is False:
+        return []
+    if plots is True:
+        slice_columns = {c for cols in report.get("slices", {}).values() for c in cols}
+        return (["calibration"] if report.get("ranking") else []) + [
+            c for c in DEFAULT_SLICE_PLOTS if c in slice_columns]
+    return list(plots)
+
+
+# --------------------------------------------------------------------------- writer
+
+
+def write_report(out_dir: str | os.PathLike, report: Mapping[str, Any], plots: bool | Sequence[str] = True) -> Path:
+    """Write report.json, report.md and PNG plots into `out_dir`, atomically: everything goes
+    into a temporary sibling folder first, which replaces `out_dir` only once complete, so an
+    error leaves either the previous report or none, never a partial one.
+
+    `plots`: True for the defaults the data supports (calibration when there is ranking, and
+    history_length / item_popularity slices when present), False for none, or a list of names:
+    "calibration" or any slice column (e.g. a declared categorical column).
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"report output {out_dir} exists and is not a directory")
+    payload = json.dumps(report_json(report), indent=2, allow_nan=False)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        (tmp / "report.json").write_text(payload + "\n")
+        plot_files = []
+        for name in _plot_names(report, plots):
+            file = f"{name}.png"
+            if name == "calibration":
+                _plot_calibration(tmp / file, report)
+            else:
+                _plot_slice(tmp / file, report, name)
+            plot_files.append(file)
+        (tmp / "report.md").write_text(_markdown(report, plot_files))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        if out_dir.exists():
+            # A directory cannot be renamed over a non-empty one: move the old report aside,
+            # put the new one in place, then delete the old one.
+            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex}"
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
