@@ -83,6 +83,8 @@ def build_synthetic_model(*, num_items: int, dim: int = 32, max_seq_len: int = 2
                                     dropout=0.0))
     model = GenerativeRecommender(features=spec, cfg=ModelConfig(ranking=True, retrieval=True, token_combine=token_combine),
                                   embeddings=ec, feature_dims={f: dim for f in sizes}, tower=tower, dim=dim)
+    with torch.no_grad():  # spread the untrained probabilities over (0, 1), not all near 0.5
+        model.task_heads[-1].weight.normal_(0, 2.0)
     model.eval()
     gen = torch.Generator().manual_seed(seed + 1)
     item_ids = torch.arange(num_items)

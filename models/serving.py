@@ -140,28 +140,28 @@ class Ranker:
     # ---- request handling -----------------------------------------------------------------
 
     def check(self, req: RankRequest) -> None:
-        """ValueError naming the field for a request this model cannot answer."""
+        """RequestError (a ValueError) naming the field of a request this model cannot answer."""
         n_events = len(req.item_ids)
         if n_events == 0:
-            raise ValueError("item_ids: the history needs at least one event")
+            raise RequestError("item_ids", "the history needs at least one event")
         if n_events > self.cfg.max_request_events:
-            raise ValueError(f"item_ids: {n_events} events, more than the limit {self.cfg.max_request_events}")
+            raise RequestError("item_ids", f"{n_events} events, more than the limit {self.cfg.max_request_events}")
         for name in ("actions", "timestamps"):
             if len(getattr(req, name)) != n_events:
-                raise ValueError(f"{name}: {len(getattr(req, name))} values, item_ids has {n_events}")
+                raise RequestError(name, f"{len(getattr(req, name))} values, item_ids has {n_events}")
         for f, vals in req.features.items():
             if f not in self.side_features:
-                raise ValueError(f"features.{f}: not a context feature of this model ({self.side_features})")
+                raise RequestError(f"features.{f}", f"not a context feature of this model ({self.side_features})")
             if len(vals) != n_events:
-                raise ValueError(f"features.{f}: {len(vals)} values, item_ids has {n_events}")
+                raise RequestError(f"features.{f}", f"{len(vals)} values, item_ids has {n_events}")
         if not 1 <= req.k <= self.max_k:
-            raise ValueError(f"k: must be in [1, {self.max_k}], got {req.k}")
+            raise RequestError("k", f"too many candidates: must be in [1, {self.max_k}], got {req.k}")
         if not 1 <= req.n <= min(req.k, self.cfg.max_n):
-            raise ValueError(f"n: must be in [1, min(k, {self.cfg.max_n})], got {req.n}")
+            raise RequestError("n", f"must be in [1, min(k, {self.cfg.max_n})], got {req.n}")
         if req.sort_by is not None and req.sort_by not in self.tasks + [RETRIEVAL]:
-            raise ValueError(f"sort_by: {req.sort_by!r} is not one of {self.tasks + [RETRIEVAL]}")
+            raise RequestError("sort_by", f"{req.sort_by!r} is not one of {self.tasks + [RETRIEVAL]}")
         if req.allowed_advertisers is not None and self.cfg.advertiser_feature not in self.item_side:
-            raise ValueError(f"allowed_advertisers: this artifact's items carry no {self.cfg.advertiser_feature!r}")
+            raise RequestError("allowed_advertisers", f"this artifact's items carry no {self.cfg.advertiser_feature!r}")
 
     def rank(self, request: RankRequest | dict) -> dict[str, Any]:
         return self.rank_batch([request])[0]

@@ -1,0 +1,144 @@
+"""Export artifact: contents, checksums (tamper / truncation refused by file name), no pickle,
+id index with a default row, quantization error bounds, the torch.export program."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from genrec.models.artifact import (
+    ServingTable, dequantize_rows, export_artifact, load_artifact_contents, load_program, quantize_rows,
+    verify_artifact,
+)
+from genrec.models.bench_serve import build_synthetic_model
+
+
+@pytest.fixture(scope="module")
+def model_and_items():
+    return build_synthetic_model(num_items=300, dim=16, max_seq_len=64)
+
+
+def _export(model_and_items, path, dtype="fp32", **kw):
+    model, item_ids, feats = model_and_items
+    return export_artifact(model, {"dense": {"embedding_dim": 16}}, path, dtype=dtype, item_ids=item_ids,
+                           item_features=feats, version="v-test", export_program=kw.pop("export_program", False), **kw)
+
+
+def test_manifest_lists_every_file_with_checksum(model_and_items, tmp_path):
+    art = _export(model_and_items, tmp_path / "a")
+    manifest = json.loads((art / "manifest.json").read_text())
+    on_disk = {p.relative_to(art).as_posix() for p in art.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(manifest["files"]) == on_disk
+    assert {"dense.safetensors", "item_index.safetensors"} <= on_disk
+    assert manifest["version"] == "v-test" and manifest["dtype"] == "fp32"
+    assert manifest["features"]["item"] == "item_id"
+    assert manifest["tower"]["max_seq_len"] == 64
+    assert "torch" in manifest["libraries"] and "safetensors" in manifest["libraries"]
+    assert manifest["job_config"] == {"dense": {"embedding_dim": 16}}
+    # No temporary directory is left beside the artifact.
+    assert [p.name for p in tmp_path.iterdir()] == ["a"]
+
+
+def test_existing_directory_is_not_overwritten_by_default(model_and_items, tmp_path):
+    _export(model_and_items, tmp_path / "a")
+    with pytest.raises(FileExistsError):
+        _export(model_and_items, tmp_path / "a")
+    _export(model_and_items, tmp_path / "a", overwrite=True)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_file_is_refused_naming_it(model_and_items, tmp_path, damage):
+    art = _export(model_and_items, tmp_path / "a")
+    victim = art / "tables" / "t_item_id.safetensors"
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(bytes(data[: len(data) - 100]))
+    else:
+        victim.unlink()
+    with pytest.raises(ValueError, match="tables/t_item_id.safetensors"):
+        load_artifact_contents(art)
+
+
+def test_tampered_manifest_json_is_refused(model_and_items, tmp_path):
+    art = _export(model_and_items, tmp_path / "a")
+    (art / "manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match="manifest"):
+        verify_artifact(art)
+
+
+def test_loading_never_unpickles(model_and_items, tmp_path, monkeypatch):
+    art = _export(model_and_items, tmp_path / "a", dtype="int8")
+
+    def forbidden(*a, **k):
+        raise AssertionError("artifact loading must not unpickle")
+
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    monkeypatch.setattr(pickle, "load", forbidden)
+    monkeypatch.setattr(torch, "load", forbidden)
+    contents = load_artifact_contents(art)
+    assert contents.tables["t_item_id"].rows_ND.dtype == torch.uint8
+
+
+def test_table_lookup_uses_sorted_id_index_and_default_row():
+    ids = torch.tensor([90, 3, 17])
+    rows = torch.tensor([[9.0, 9.0], [3.0, 3.0], [1.0, 7.0]])
+    order = torch.argsort(ids)
+    table = ServingTable(ids_N=ids[order], rows_ND=rows[order], scale_bias_N2=None)
+    got = table.lookup(torch.tensor([17, 5, 90, 1000, -4, 3]))
+    want = torch.tensor([[1.0, 7.0], [0.0, 0.0], [9.0, 9.0], [0.0, 0.0], [0.0, 0.0], [3.0, 3.0]])
+    assert torch.equal(got, want)
+
+
+def test_exported_rows_match_the_model(model_and_items, tmp_path):
+    model, item_ids, _ = model_and_items
+    art = _export(model_and_items, tmp_path / "a")
+    contents = load_artifact_contents(art)
+    w = model.embeddings.embeddings["t_category_id"].weight.detach()
+    assert torch.equal(contents.tables["t_category_id"].lookup(torch.arange(w.shape[0])), w)
+    want = torch.nn.functional.normalize(model.embeddings.embeddings["t_item_id"].weight.detach(), dim=-1, eps=1e-6)
+    assert torch.equal(contents.item_rows_ND, want[contents.item_ids_N])
+    dense = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
+    assert dense.keys() == contents.dense_state.keys()
+    assert all(torch.equal(dense[k], contents.dense_state[k]) for k in dense)
+
+
+@pytest.mark.parametrize("dtype,bound", [("fp16", 1e-3), ("int8", None)])
+def test_quantization_error_is_bounded(dtype, bound):
+    x = torch.randn(500, 32) * torch.rand(500, 1) * 3
+    q, sb = quantize_rows(x, dtype)
+    err = (dequantize_rows(q, sb) - x).abs()
+    if dtype == "int8":
+        assert q.dtype == torch.uint8
+        # Round to nearest: at most half a step of each row's own scale.
+        assert bool((err <= sb[:, :1] * 0.5 + 1e-6).all())
+    else:
+        assert float(err.max()) < bound * float(x.abs().max())
+
+
+def test_missing_item_side_features_is_an_error(model_and_items, tmp_path):
+    model, item_ids, feats = model_and_items
+    with pytest.raises(ValueError, match="advertiser_id"):
+        export_artifact(model, {}, tmp_path / "a", dtype="fp32", item_ids=item_ids,
+                        item_features={"category_id": feats["category_id"]}, version="v")
+
+
+def test_exported_program_reproduces_the_tower(tmp_path):
+    model, item_ids, feats = build_synthetic_model(num_items=50, dim=8, max_seq_len=32, num_layers=1)
+    art = export_artifact(model, {}, tmp_path / "a", dtype="fp32", item_ids=item_ids, item_features=feats,
+                          version="v", export_program=True)
+    manifest = verify_artifact(art)
+    assert manifest["program"]["file"] == "tower.pt2" and "tower.pt2" in manifest["files"]
+    program = load_program(art).module()
+    offsets = torch.tensor(manifest["program"]["example_offsets_B1"])
+    num_targets = torch.tensor(manifest["program"]["example_num_targets_B"])
+    T = int(offsets[-1])
+    x = torch.randn(T, 8)
+    ts = torch.arange(T) * 13 + 1000
+    with torch.no_grad():
+        assert torch.allclose(program(x, offsets, ts, num_targets), model.tower(x, offsets, ts, num_targets), atol=1e-5)
