@@ -89,6 +89,14 @@ class RankRequest:
     model has no ranking head)."""
 
 
+class RequestError(ValueError):
+    """A request this model cannot answer; `field` names the offending request field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
 class _NoEmbeddings(nn.Module):
     """Placeholder: serving looks rows up in the artifact's tables directly."""
 

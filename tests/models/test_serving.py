@@ -1,0 +1,153 @@
+"""Serving path: served scores equal the training model's (fp32 within 1e-4, int8 within a
+stated tolerance), M-FALCON equals a full recompute, batching and filters keep answers right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from genrec.data.batch import Batch
+from genrec.models.artifact import export_artifact
+from genrec.models.bench_serve import build_synthetic_model, synthetic_request
+from genrec.models.serving import RankRequest, RequestError, ServingConfig, load_artifact
+
+NUM_ITEMS = 400
+INT8_PROB_TOLERANCE = 0.01
+"""Stated int8 tolerance: max |p_int8 - p_fp32| per candidate and task (measured ~2e-3)."""
+
+
+@pytest.fixture(scope="module", params=["sum", "concat"])
+def setup(request, tmp_path_factory):
+    model, item_ids, feats = build_synthetic_model(num_items=NUM_ITEMS, dim=16, max_seq_len=128,
+                                                   token_combine=request.param, seed=3)
+    root = tmp_path_factory.mktemp(f"serving_{request.param}")
+    rankers = {}
+    for dtype in ("fp32", "int8"):
+        art = export_artifact(model, {}, root / dtype, dtype=dtype, item_ids=item_ids, item_features=feats,
+                              version=f"v-{dtype}", export_program=False)
+        rankers[dtype] = load_artifact(art, ServingConfig(max_k=60, micro_batch=16))
+    return model, feats, rankers
+
+
+def _reference(model, feats, req: dict, cand_items: torch.Tensor):
+    """The training model's retrieval scores and ranking probabilities for the same input."""
+    keys = model.features.sparse
+    L, C = len(req["item_ids"]), cand_items.numel()
+    hist = {"item_id": torch.tensor(req["item_ids"]), "action": torch.tensor(req["actions"]),
+            **{f: torch.tensor(v) for f, v in req["features"].items()}}
+    cand = {"item_id": cand_items, "action": torch.zeros(C, dtype=torch.long),
+            **{f: feats[f][cand_items] for f in feats}}
+
+    def kjt(vals, n):
+        return KeyedJaggedTensor(keys=keys, values=torch.cat([vals[k] for k in keys]), lengths=torch.tensor([n] * len(keys)))
+
+    batch = Batch(user_ids_B=torch.tensor([0]), history=kjt(hist, L), timestamps_T=torch.tensor(req["timestamps"]),
+                  history_lengths_B=torch.tensor([L]), candidates=kjt(cand, C),
+                  candidate_timestamps_C=torch.full((C,), req["timestamps"][-1]))
+    user = model.user_embeddings(batch)[0]
+    items = torch.nn.functional.normalize(model.embeddings.embeddings["t_item_id"].weight.detach(), dim=-1, eps=1e-6)
+    return user @ items.T, model.rank_probabilities(batch)
+
+
+def test_fp32_scores_equal_the_training_model(setup):
+    model, feats, rankers = setup
+    req = synthetic_request(NUM_ITEMS, 50, k=60, n=60, seed=1, item_features=feats)
+    out = rankers["fp32"].rank(dict(req, sort_by="retrieval"))
+    got_ids = torch.tensor([x["item_id"] for x in out["items"]])
+    retrieval, probs = _reference(model, feats, req, got_ids)
+    # Retrieval: exactly the training model's top K (ties aside), with the same scores.
+    want_top = retrieval.topk(60)
+    assert torch.equal(got_ids, want_top.indices)
+    assert torch.allclose(torch.tensor([x["retrieval_score"] for x in out["items"]]), want_top.values, atol=1e-5)
+    got = torch.tensor([[x["probabilities"]["click"], x["probabilities"]["conversion"]] for x in out["items"]])
+    assert float((got - probs).abs().max()) < 1e-4
+    assert float(probs.std()) > 0.01  # the check means something: probabilities differ per item
+
+
+def test_int8_within_stated_tolerance(setup):
+    model, feats, rankers = setup
+    req = synthetic_request(NUM_ITEMS, 50, k=60, n=60, seed=2, item_features=feats)
+    out = rankers["int8"].rank(dict(req, sort_by="retrieval"))
+    ids = torch.tensor([x["item_id"] for x in out["items"]])
+    _, probs = _reference(model, feats, req, ids)
+    got = torch.tensor([[x["probabilities"]["click"], x["probabilities"]["conversion"]] for x in out["items"]])
+    assert float((got - probs).abs().max()) < INT8_PROB_TOLERANCE
+    assert out["model_version"] == "v-int8"
+
+
+def test_mfalcon_equals_full_recompute(setup):
+    _, feats, rankers = setup
+    r = rankers["fp32"]
+    req = RankRequest(**synthetic_request(NUM_ITEMS, 40, k=50, n=10, seed=4, item_features=feats))
+    hist = r._history(req)
+    user, cache = r.encode([hist])
+    _, idx = r.retrieve(user, 50, [{}])
+    mf = r.score_candidates(cache, [idx[0]], [hist["request_time"]])
+    rc = r.score_candidates_recompute(hist, idx[0], hist["request_time"])
+    assert float((mf - rc).abs().max()) < 1e-5
+
+
+def test_batched_requests_equal_single_requests(setup):
+    _, feats, rankers = setup
+    r = rankers["fp32"]
+    reqs = [synthetic_request(NUM_ITEMS, h, k=k, n=5, seed=10 + i, item_features=feats)
+            for i, (h, k) in enumerate([(7, 20), (50, 60), (1, 5)])]
+    together = r.rank_batch(reqs)
+    for req, got in zip(reqs, together):
+        alone = r.rank(req)
+        assert [x["item_id"] for x in got["items"]] == [x["item_id"] for x in alone["items"]]
+        assert max(abs(a["score"] - b["score"]) for a, b in zip(got["items"], alone["items"])) < 1e-5
+
+
+def test_filters(setup):
+    _, feats, rankers = setup
+    r = rankers["fp32"]
+    req = synthetic_request(NUM_ITEMS, 30, k=60, n=60, seed=5, item_features=feats)
+    plain = {x["item_id"] for x in r.rank(dict(req, sort_by="retrieval"))["items"]}
+    seen = set(req["item_ids"])
+    assert plain & seen, "test needs a history item among the plain top K"
+    excluded = r.rank(dict(req, exclude_seen=True))
+    assert not ({x["item_id"] for x in excluded["items"]} & seen)
+    allowed = [1, 2, 3]
+    filtered = r.rank(dict(req, allowed_advertisers=allowed))
+    assert filtered["items"]
+    assert all(int(feats["advertiser_id"][x["item_id"]]) in allowed for x in filtered["items"])
+
+
+def test_history_keeps_most_recent_events_sorted_by_time(setup):
+    _, feats, rankers = setup
+    r = rankers["fp32"]
+    assert r.max_history == 128 - 60
+    req = synthetic_request(NUM_ITEMS, 100, k=10, n=10, seed=6, item_features=feats)
+    out = r.rank(req)
+    assert out["history_truncated"] and out["history_used"] == 68
+    tail = {key: (v[-68:] if isinstance(v, list) else v) for key, v in req.items()}
+    tail["features"] = {f: v[-68:] for f, v in req["features"].items()}
+    assert r.rank(tail)["items"] == out["items"]
+    # Shuffled events give the same answer: the history is sorted by timestamp first.
+    perm = torch.randperm(100, generator=torch.Generator().manual_seed(0)).tolist()
+    shuffled = {key: ([v[i] for i in perm] if isinstance(v, list) else v) for key, v in req.items()}
+    shuffled["features"] = {f: [v[i] for i in perm] for f, v in req["features"].items()}
+    assert r.rank(shuffled)["items"] == out["items"]
+
+
+def test_side_features_default_to_the_item_index(setup):
+    _, feats, rankers = setup
+    r = rankers["fp32"]
+    req = synthetic_request(NUM_ITEMS, 20, k=10, n=10, seed=7, item_features=feats)
+    without = {key: v for key, v in req.items() if key != "features"}
+    assert r.rank(without)["items"] == r.rank(req)["items"]
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"k": 61}, "k"), ({"n": 11, "k": 10}, "n"), ({"actions": [1]}, "actions"),
+    ({"features": {"campaign_id": [1]}}, "features.campaign_id"), ({"sort_by": "revenue"}, "sort_by"),
+    ({"item_ids": [], "actions": [], "timestamps": []}, "item_ids"),
+])
+def test_bad_requests_name_the_field(setup, change, field):
+    _, feats, rankers = setup
+    req = synthetic_request(NUM_ITEMS, 5, k=10, n=5, seed=8)
+    with pytest.raises(RequestError) as e:
+        rankers["fp32"].rank(dict(req, **change))
+    assert e.value.field == field
