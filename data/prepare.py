@@ -32,8 +32,9 @@ Out of core: pass 1 streams each file row group by row group, hashes string ids,
 appends fixed-width records to one spill file per hash bucket of the user key; pass 2
 loads one bucket at a time, sorts it by (user, ts) and writes the list columns. The number
 of buckets comes from the row count in the parquet footers and `memory_budget_mb`, so peak
-memory does not grow with the log (except for the distinct-item counts, 16 bytes per item,
-and a single user bigger than a bucket budget).
+memory (about `memory_budget_mb`) does not grow with the log. What can still grow: the
+distinct-item counts (16 bytes per item), the largest input row group, and a single user
+with more events than a bucket holds.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ _PASS1_BATCH_ROWS = 1 << 17
 # index per row.
 _PASS2_COPIES = 6
 _MAX_BUCKETS = 4096
+_RESERVED_MB = 256
 
 
 @dataclass(kw_only=True)
@@ -115,7 +117,7 @@ class PrepareConfig:
     split: SplitConfig = field(default_factory=SplitConfig)
     """Train / valid / test split."""
     memory_budget_mb: int = 1024
-    """Target peak memory of the sort pass; sets the number of spill buckets."""
+    """Target peak RSS of the whole run (>= 256); sets the number of spill buckets."""
     num_shards: int = 4
     """Parquet files per split (readers shard by row group, so this is not a rank count)."""
     row_group_users: int = 1024
@@ -144,8 +146,8 @@ def prepare(
     """
     split.validate()
     _validate_features(features)
-    if memory_budget_mb < 64:
-        raise ValueError(f"memory_budget_mb must be >= 64, got {memory_budget_mb}")
+    if memory_budget_mb < 256:
+        raise ValueError(f"memory_budget_mb must be >= 256, got {memory_budget_mb}")
     if num_shards < 1 or row_group_users < 1:
         raise ValueError(f"num_shards and row_group_users must be >= 1, got {num_shards}, {row_group_users}")
     out_dir = Path(out_dir)
@@ -160,7 +162,9 @@ def prepare(
     columns = _spill_columns(features)
     rec_dtype = _record_dtype(features)
     bytes_per_row = _PASS2_COPIES * rec_dtype.itemsize + 16
-    budget = memory_budget_mb * (1 << 20) // 2  # the other half: interpreter, arrow pools, items
+    # What the sort pass may hold: the budget less a fixed reserve for the interpreter,
+    # numpy / arrow / torch-free imports (~120 MB), arrow pools and the item counts.
+    budget = max(memory_budget_mb - _RESERVED_MB, memory_budget_mb // 4) * (1 << 20)
     if num_buckets is None:
         num_buckets = int(min(_MAX_BUCKETS, max(num_shards, -(-total_rows * bytes_per_row // budget))))
     elif not 1 <= num_buckets <= _MAX_BUCKETS:

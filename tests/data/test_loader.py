@@ -10,10 +10,11 @@ import numpy as np
 import pyarrow.dataset as ds
 import pytest
 import torch
-from seqdata_helpers import AD_FEATURES, ML100K, ML_FEATURES
+from seqdata_helpers import AD_FEATURES, ML100K, ML_FEATURES, random_log, write_log
 
 from genrec.data.batch import Batch
 from genrec.data.loader import LoaderConfig, make_loader
+from genrec.data.prepare import SplitConfig, prepare
 
 
 def split_rows(split_dir) -> dict[int, dict]:
@@ -130,6 +131,27 @@ def test_resume_continues_exactly(ad_prepared, num_workers, stop_at):
     for _ in range(2 - resumed.epoch):
         got += [batch_signature(b) for b in resumed]
     assert got == uninterrupted
+
+
+def test_few_row_groups_are_sliced_across_workers(tmp_path):
+    """One row group per file and more global workers than row groups: units become row
+    slices, every user is still read exactly once, and resume still holds."""
+    write_log(random_log(45, 900, seed=9), tmp_path / "log")
+    prepare(tmp_path / "log", tmp_path / "out", AD_FEATURES, SplitConfig(), num_shards=1, progress=False)
+    train = tmp_path / "out" / "train"
+    cfg = LoaderConfig(batch_size=4, max_seq_len=8, num_workers=2, equal_batches_per_rank=False)
+    users = [u for r in range(2) for b in make_loader(train, AD_FEATURES, cfg, rank=r, world_size=2)
+             for u in b.user_ids_B.tolist()]
+    assert sorted(users) == sorted(split_rows(train))
+    loader = make_loader(train, AD_FEATURES, cfg, rank=1, world_size=2)
+    assert len(loader.dataset.units) >= 16
+    full = [batch_signature(b) for b in loader]
+    first = make_loader(train, AD_FEATURES, cfg, rank=1, world_size=2)
+    it = iter(first)
+    head = [batch_signature(next(it)) for _ in range(3)]
+    resumed = make_loader(train, AD_FEATURES, cfg, rank=1, world_size=2)
+    resumed.load_state_dict(first.state_dict())
+    assert head + [batch_signature(b) for b in resumed] == full
 
 
 def test_resume_state_must_match_setting(ad_prepared):
