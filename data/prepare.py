@@ -237,8 +237,8 @@ def load_manifest(prepared_dir: str | os.PathLike) -> dict:
 @dataclass
 class _Log:
     path: Path
-    file: pq.ParquetFile
     num_rows: int
+    num_row_groups: int
     is_string: dict[str, bool]
     """Per read column: string ids (hashed) or integers (passed through)."""
 
@@ -280,11 +280,13 @@ def _resolve_paths(spec) -> list[Path]:
 
 def _open_log(path: Path, features: FeatureSpec) -> _Log:
     try:
-        file = pq.ParquetFile(path)
+        # Footer only; the file is reopened in pass 1 (thousands of logs must not pin
+        # thousands of descriptors next to the spill files).
+        with pq.ParquetFile(path) as file:
+            schema, metadata = file.schema_arrow, file.metadata
     except (pa.ArrowException, OSError) as e:
         raise ValueError(f"{path}: not a readable parquet file (corrupt or truncated?): {e}") from None
-    schema = file.schema_arrow
-    if file.metadata.num_rows == 0:
+    if metadata.num_rows == 0:
         raise ValueError(f"{path}: empty file (0 rows)")
     is_string = {}
     for name, role in _column_roles(features):
@@ -305,7 +307,7 @@ def _open_log(path: Path, features: FeatureSpec) -> _Log:
         if not ok:
             raise ValueError(f"{path}: column {name!r} ({role}) has type {typ}, expected {want}")
         is_string[name] = is_str
-    return _Log(path=path, file=file, num_rows=file.metadata.num_rows, is_string=is_string)
+    return _Log(path=path, num_rows=metadata.num_rows, num_row_groups=metadata.num_row_groups, is_string=is_string)
 
 
 def _column_roles(features: FeatureSpec) -> list[tuple[str, str]]:
@@ -344,6 +346,20 @@ def _record_dtype(features: FeatureSpec) -> np.dtype:
     return np.dtype(fields)
 
 
+def _row_groups(log: _Log, columns: list[str]):
+    """(row group index, its record batches) of one log; read errors name file and row group."""
+    try:
+        with pq.ParquetFile(log.path) as file:
+            for rg in range(log.num_row_groups):
+                try:
+                    batches = list(file.iter_batches(batch_size=_PASS1_BATCH_ROWS, row_groups=[rg], columns=columns))
+                except (pa.ArrowException, OSError) as e:
+                    raise ValueError(f"{log.path}: row group {rg} unreadable (corrupt or truncated?): {e}") from None
+                yield rg, batches
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{log.path}: not a readable parquet file (changed since validation?): {e}") from None
+
+
 def _bucket_of(users: np.ndarray, num_buckets: int) -> np.ndarray:
     # Fibonacci hashing: sequential user ids spread evenly over the buckets.
     mixed = (users.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(33)
@@ -356,12 +372,7 @@ def _pass1_spill(logs, features, columns, rec_dtype, spill_dir, num_buckets, tot
     bar = tqdm(total=total_rows, unit="ev", desc="prepare: spill", file=sys.stderr, disable=not progress)
     try:
         for log in logs:
-            for rg in range(log.file.metadata.num_row_groups):
-                try:
-                    batches = list(log.file.iter_batches(batch_size=_PASS1_BATCH_ROWS, row_groups=[rg],
-                                                         columns=list(dict.fromkeys(columns))))
-                except (pa.ArrowException, OSError) as e:
-                    raise ValueError(f"{log.path}: row group {rg} unreadable (corrupt or truncated?): {e}") from None
+            for rg, batches in _row_groups(log, list(dict.fromkeys(columns))):
                 for batch in batches:
                     rec = np.empty(batch.num_rows, dtype=rec_dtype)
                     for name, slot in zip(columns, rec_dtype.names):
