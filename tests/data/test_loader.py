@@ -13,6 +13,7 @@ import torch
 from seqdata_helpers import AD_FEATURES, ML100K, ML_FEATURES, random_log, write_log
 
 from genrec.data.batch import Batch
+from genrec.data.config import FeatureSpec
 from genrec.data.loader import LoaderConfig, make_loader
 from genrec.data.prepare import SplitConfig, prepare
 
@@ -230,3 +231,25 @@ def test_movielens_eval_targets_and_ranking(ml100k_prepared):
             assert torch.equal(batch.history_lengths_B, train_n.clamp(max=40) - 4)
             tokens += batch.num_tokens
     assert tokens > 0
+
+
+def test_convert_then_prepare_then_load_movielens(tmp_path):
+    """The documented path end to end: data.convert -> prepare -> eval loader."""
+    if not ML100K.is_file():
+        pytest.skip("MovieLens-100K not available")
+    from genrec.data.convert import convert
+
+    convert("movielens", [str(ML100K)], tmp_path / "log", progress=False)
+    features = FeatureSpec(sparse=["item_id", "action"], labels=[])
+    manifest = prepare(tmp_path / "log", tmp_path / "prepared", features, SplitConfig(), progress=False)
+    assert manifest["counts"]["users"] == 943 and manifest["counts"]["source_events"] == 100_000
+    cfg = LoaderConfig(batch_size=128, max_seq_len=20, mode="eval", num_workers=2)
+    ratings = Counter(np.loadtxt(ML100K, dtype=np.int64)[:, 0].tolist())
+    users, tokens = set(), 0
+    for batch in make_loader(tmp_path / "prepared" / "test", features, cfg):
+        users.update(batch.user_ids_B.tolist())
+        assert batch.labels_CL.shape == (batch.batch_size, 0)
+        num_ratings = torch.tensor([ratings[u] for u in batch.user_ids_B.tolist()])
+        assert torch.equal(batch.history_lengths_B, (num_ratings - 1).clamp(max=20))
+        tokens += batch.num_tokens
+    assert len(users) == 943 and tokens == sum(min(n - 1, 20) for n in ratings.values())
