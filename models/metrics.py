@@ -51,8 +51,9 @@ large finite loss instead of inf."""
 # --------------------------------------------------------------------------- retrieval
 
 
-def _exclude_mask_BN(exclude: Any, num_users: int, num_items: int, device: torch.device) -> torch.Tensor:
-    """Turn the accepted `exclude` forms into a bool [B, N] mask (True = removed)."""
+def _exclude_pairs(exclude: Any, num_users: int, num_items: int, device: torch.device):
+    """(rows_E, cols_E) of the excluded (user, item) pairs from padded or jagged indices,
+    deduplicated: the same item twice in a history must be removed once, not twice."""
     if isinstance(exclude, tuple):
         values_S, offsets_B1 = (torch.as_tensor(x, device=device) for x in exclude)
         if offsets_B1.numel() != num_users + 1:
@@ -61,10 +62,6 @@ def _exclude_mask_BN(exclude: Any, num_users: int, num_items: int, device: torch
             )
         rows_S = torch.repeat_interleave(torch.arange(num_users, device=device), offsets_B1.diff())
         cols_S = values_S.long()
-    elif exclude.dtype == torch.bool:
-        if tuple(exclude.shape) != (num_users, num_items):
-            raise ValueError(f"exclude: bool mask has shape {tuple(exclude.shape)}, expected {(num_users, num_items)}")
-        return exclude.to(device)
     else:
         if exclude.dim() != 2 or exclude.shape[0] != num_users:
             raise ValueError(f"exclude: padded indices have shape {tuple(exclude.shape)}, expected [B={num_users}, S]")
@@ -73,10 +70,17 @@ def _exclude_mask_BN(exclude: Any, num_users: int, num_items: int, device: torch
         cols_S = exclude[exclude >= 0]
     if cols_S.numel() and (int(cols_S.min()) < 0 or int(cols_S.max()) >= num_items):
         raise ValueError(f"exclude: item index out of range [0, {num_items})")
-    mask_BN = torch.zeros(num_users, num_items, dtype=torch.bool, device=device)
-    # A duplicate seen item (the same item twice in a history) just sets the bit twice.
-    mask_BN[rows_S, cols_S] = True
-    return mask_BN
+    # sort + adjacent compare: several times faster than torch.unique on CPU.
+    keys_S = torch.sort(rows_S * num_items + cols_S).values
+    first_S = torch.ones_like(keys_S, dtype=torch.bool)
+    first_S[1:] = keys_S[1:] != keys_S[:-1]
+    pairs_E = keys_S[first_S]
+    return pairs_E // num_items, pairs_E % num_items
+
+
+def _count_true(mask_BN: torch.Tensor) -> torch.Tensor:
+    # Summing bytes into int32 is ~1.5x faster on CPU than bool.sum(), which widens to int64.
+    return mask_BN.view(torch.uint8).sum(1, dtype=torch.int32).long()
 
 
 def rank_of_target(
@@ -99,19 +103,30 @@ def rank_of_target(
         raise ValueError(f"target_idx_B has shape {tuple(target_idx_B.shape)}, expected ({num_users},)")
     if num_users and (int(target_idx_B.min()) < 0 or int(target_idx_B.max()) >= num_items):
         raise ValueError(f"target_idx_B: item index out of range [0, {num_items})")
-    if torch.isnan(scores_BN).any():
+    # One float sum is far cheaper than a [B, N] isnan pass; only a non-finite sum (NaN, or
+    # +inf and -inf together) needs the exact check.
+    if not torch.isfinite(scores_BN.sum()) and torch.isnan(scores_BN).any():
         raise ValueError("scores_BN contains NaN")
     target_B1 = scores_BN.gather(1, target_idx_B[:, None])
     beats_BN = scores_BN >= target_B1
+    if isinstance(exclude, torch.Tensor) and exclude.dtype == torch.bool:
+        if tuple(exclude.shape) != (num_users, num_items):
+            raise ValueError(f"exclude: bool mask has shape {tuple(exclude.shape)}, expected {(num_users, num_items)}")
+        mask_BN = exclude.to(scores_BN.device)
+        beats_BN &= ~mask_BN
+        # Only subtract the target's self-tie when the mask did not already remove it; this
+        # keeps "the target is never excluded" without copying the caller's mask.
+        target_kept_B = ~mask_BN.gather(1, target_idx_B[:, None]).squeeze(1)
+        return _count_true(beats_BN) - target_kept_B.long()
+    # The target always ties with itself, hence the -1.
+    rank_B = _count_true(beats_BN) - 1
     if exclude is None:
-        # The target always ties with itself, hence the -1.
-        return beats_BN.sum(1) - 1
-    mask_BN = _exclude_mask_BN(exclude, num_users, num_items, scores_BN.device)
-    beats_BN &= ~mask_BN
-    # Only subtract the target's self-tie when the mask did not already remove it; this keeps
-    # "the target is never excluded" without copying the caller's mask.
-    target_kept_B = ~mask_BN.gather(1, target_idx_B[:, None]).squeeze(1)
-    return beats_BN.sum(1) - target_kept_B.long()
+        return rank_B
+    # Index forms: subtract the excluded items that were counted, touching only the S seen
+    # items per user instead of building a [B, N] mask (4x slower at N = 100k).
+    rows_E, cols_E = _exclude_pairs(exclude, num_users, num_items, scores_BN.device)
+    counted_E = (scores_BN[rows_E, cols_E] >= target_B1[rows_E, 0]) & (cols_E != target_idx_B[rows_E])
+    return rank_B - torch.bincount(rows_E[counted_E], minlength=num_users)
 
 
 def retrieval_values_from_ranks(ranks_U: np.ndarray | torch.Tensor, ks: Sequence[int]) -> dict[str, np.ndarray]:

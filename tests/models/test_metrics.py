@@ -57,6 +57,8 @@ def test_target_is_never_excluded_and_duplicates_in_history_count_once():
     assert rank_of_target(scores, torch.tensor([3]), exclude).tolist() == [1]  # only 0.8 above
     mask = torch.tensor([[False, True, False, True]])
     assert rank_of_target(scores, torch.tensor([3]), mask).tolist() == [1]
+    jagged = (torch.tensor([1, 3, 1]), torch.tensor([0, 3]))
+    assert rank_of_target(scores, torch.tensor([3]), jagged).tolist() == [1]
     assert mask.tolist() == [[False, True, False, True]]  # the caller's mask is not modified
 
 
@@ -105,6 +107,13 @@ def test_retrieval_matches_torchmetrics_and_brute_force(seed):
     mask_no_target = mask.clone()
     mask_no_target[torch.arange(B), target] = False
     assert ranks.tolist() == _brute_force_ranks(scores, target, mask_no_target)
+    # The index forms (with duplicates and padding) give the same ranks as the mask.
+    seen = torch.where(mask, torch.arange(N).expand(B, N), torch.full((B, N), -1))
+    seen = torch.cat([seen, seen[:, :50]], dim=1)[:, torch.randperm(N + 50, generator=g)]
+    assert torch.equal(rank_of_target(scores, target, seen), ranks)
+    lengths = (seen >= 0).sum(1)
+    jagged = (seen[seen >= 0], torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
+    assert torch.equal(rank_of_target(scores, target, jagged), ranks)
 
     m = RetrievalMetrics(ks=ks)
     for lo in range(0, B, 16):  # streamed in uneven batches
