@@ -417,7 +417,8 @@ def bucket_labels(edges: Sequence[int]) -> list[str]:
 
 def length_buckets(lengths_B: torch.Tensor | np.ndarray, edges: Sequence[int] = (5, 20, 50, 200)) -> np.ndarray:
     """History-length bucket label per user, from `bucket_labels(edges)`."""
-    if list(edges) != sorted(set(edges)) or (edges and edges[0] <= 0):
+    edges = [int(e) for e in edges]
+    if edges != sorted(set(edges)) or (edges and edges[0] <= 0):
         raise ValueError(f"history-length bucket edges must be strictly increasing and > 0, got {list(edges)}")
     lengths = np.asarray(torch.as_tensor(lengths_B).cpu())
     return np.asarray(bucket_labels(edges), dtype=object)[np.searchsorted(np.asarray(edges), lengths, side="right")]
