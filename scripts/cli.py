@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="convert a public dataset first (with --input)")
     p.add_argument("--input", dest="inputs", nargs="+", help="files for --from")
     p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     _add_config_args(p)
 
     p = sub.add_parser("train", help="train a model (torchrun for several ranks)")

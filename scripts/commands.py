@@ -43,7 +43,11 @@ def prepare(args: argparse.Namespace) -> int:
             raise ValueError("--from needs --input FILE [FILE ...]")
         logs = f"{args.out}.logs"
         convert_dataset(args.source, args.inputs, logs)
-    manifest = prepare_sequences(logs, args.out, cfg.data.features, cfg.data.split)
+    pc = cfg.data.prepare
+    manifest = prepare_sequences(
+        logs, args.out, cfg.data.features, pc.split, memory_budget_mb=pc.memory_budget_mb,
+        num_shards=pc.num_shards, row_group_users=pc.row_group_users, overwrite=args.overwrite,
+    )
     counts = manifest["counts"]
     print(f"prepared {args.out}: " + ", ".join(f"{k}={v:,}" for k, v in counts.items() if isinstance(v, int)))
     return 0

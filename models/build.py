@@ -1,0 +1,157 @@
+"""The one place a job's modules are built, materialized and parallelized.
+
+`build_model` makes the sparse store (sharded across ranks by id hash inside the store),
+the tower (with `dense.parallelize`'s checkpointing), the recommender around them, and
+wraps the dense parameters in DDP when there are several ranks. The model file itself
+knows nothing of this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from torchrec.sparse.jagged_tensor import JaggedTensor
+
+from genrec.data.loader import make_loader
+from genrec.dense import build_tower, parallelize
+from genrec.models.config import JobConfig
+from genrec.models.config_loader import to_dict
+from genrec.models.distributed import DistInfo
+from genrec.models.model import GenerativeRecommender
+from genrec.sparse import TieredEmbeddingCollection
+
+
+def build_store(cfg: JobConfig, dist_info: DistInfo) -> TieredEmbeddingCollection:
+    process_group = dist.group.WORLD if dist_info.world_size > 1 else None
+    return TieredEmbeddingCollection(cfg.sparse, process_group=process_group)
+
+
+def build_model(cfg: JobConfig, dist_info: DistInfo) -> tuple[nn.Module, TieredEmbeddingCollection]:
+    store = build_store(cfg, dist_info)
+    feature_dims = {f: t.embedding_dim for t in cfg.sparse.tables for f in t.feature_names}
+    tower = parallelize(build_tower(cfg.dense), activation_checkpointing=cfg.dense.activation_checkpointing)
+    embeddings = store if dist_info.world_size == 1 else _AveragedRowGrads(store, dist_info.world_size)
+    model = GenerativeRecommender(
+        features=cfg.data.features, cfg=cfg.model, embeddings=embeddings,
+        feature_dims=feature_dims, tower=tower, dim=cfg.dense.embedding_dim,
+    )
+    if dist_info.world_size > 1:
+        # The store's rows are sharded, not replicated: DDP must neither broadcast nor
+        # all-reduce anything under `embeddings.`.
+        ignore = [n for n, _ in model.named_parameters() if n.startswith("embeddings.")]
+        ignore += [n for n, _ in model.named_buffers() if n.startswith("embeddings.") or n == "item_corpus"]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+        model = _DDPRecommender(model)
+    return model, store
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class _AveragedRowGrads(nn.Module):
+    """The store, with row gradients divided by the world size.
+
+    DDP averages dense gradients over ranks, while the store sums the row gradients that
+    arrive from every rank. Scaling by 1 / world_size makes both the gradient of the mean
+    loss over ranks, so N ranks with batch b each train like one rank with batch N * b.
+    """
+
+    def __init__(self, store: nn.Module, world_size: int) -> None:
+        super().__init__()
+        self.store = store
+        self.scale = 1.0 / world_size
+
+    def forward(self, kjt):
+        return {
+            key: JaggedTensor(values=_ScaleGrad.apply(jt.values(), self.scale), lengths=jt.lengths(), offsets=jt.offsets())
+            for key, jt in self.store(kjt).items()
+        }
+
+
+class _DDPRecommender(nn.Module):
+    """DDP around the recommender that still exposes its scoring methods and attributes."""
+
+    def __init__(self, model: GenerativeRecommender) -> None:
+        super().__init__()
+        self.ddp = DistributedDataParallel(model, broadcast_buffers=False)
+        self.inner = model
+
+    def forward(self, batch):
+        return self.ddp(batch)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+    def state_dict(self, *args, **kwargs):
+        return self.inner.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self.inner.load_state_dict(*args, **kwargs)
+
+
+def unwrap(model: nn.Module) -> GenerativeRecommender:
+    return model.inner if isinstance(model, _DDPRecommender) else model
+
+
+def dense_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters trained by the dense optimizer (sparse rows have the store's own)."""
+    return [(n, p) for n, p in unwrap(model).named_parameters() if not n.startswith("embeddings.")]
+
+
+# Config keys that change the shapes or the meaning of saved tensors. Others (dropout, the
+# kernel, checkpointing, schedule) may change between a checkpoint and its resume.
+_SHAPE_KEYS = {
+    "dense": ("kind", "embedding_dim", "num_layers", "num_heads", "attention_dim", "linear_dim", "max_seq_len",
+              "num_time_buckets", "attention_bias", "position_embedding", "ffn_multiplier"),
+    "model": ("token_combine", "retrieval", "ranking", "ranking_tasks", "ranking_hidden_dim"),
+}
+
+
+def config_fingerprint(cfg: JobConfig) -> dict[str, object]:
+    """The config keys a checkpoint's tensors depend on; a resume with any other value is refused."""
+    flat: dict[str, object] = {}
+    for section, keys in _SHAPE_KEYS.items():
+        values = to_dict(getattr(cfg, section))
+        for key in keys:
+            flat[f"{section}.{key}"] = json.dumps(values.get(key), sort_keys=True)
+    flat["data.features"] = json.dumps(to_dict(cfg.data.features), sort_keys=True)
+    for table in cfg.sparse.tables:
+        for key in ("embedding_dim", "feature_names", "num_embeddings", "optimizer"):
+            flat[f"sparse.tables[{table.name}].{key}"] = json.dumps(getattr(table, key))
+    return flat
+
+
+def eval_loader(cfg: JobConfig, split: str, *, rank: int = 0, world_size: int = 1):
+    """The loader of a prepared evaluation split: in order, each last event the target."""
+    loader_cfg = dataclasses.replace(
+        cfg.data.loader, mode="eval", shuffle=False, stochastic_length_prob=0.0, drop_last=False
+    )
+    return make_loader(Path(cfg.data.path) / split, cfg.data.features, loader_cfg, rank=rank, world_size=world_size)
+
+
+def load_item_corpus(data_path: str | Path) -> torch.Tensor:
+    """Sorted int64 ids of the items in the prepared training split."""
+    path = Path(data_path) / "items.parquet"
+    if not path.exists():
+        raise ValueError(f"{path} not found: is {data_path} the output of `genrec prepare`?")
+    ids = torch.from_numpy(pq.read_table(path, columns=["item_id"]).column("item_id").to_numpy().copy())
+    return torch.sort(ids).values

@@ -1,0 +1,76 @@
+"""The one config tree of a genrec job. Run files in `configs/*.toml` load into `JobConfig`.
+
+    [data]    where the prepared data is, the feature spec, split and loader settings
+    [sparse]  embedding tables and the tiered store
+    [dense]   the sequence tower
+    [model]   token combination and heads
+    [train]   steps, optimizer, precision, checkpoints, logging
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from genrec.data.config import FeatureSpec
+from genrec.data.loader import LoaderConfig
+from genrec.data.prepare import PrepareConfig
+from genrec.dense.config import TowerConfig
+from genrec.models.model import ModelConfig
+from genrec.models.schedule import OptimConfig
+from genrec.sparse.config import SparseConfig
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the prepared data lives, what its columns mean, how it is split and read."""
+
+    path: str = "runs/data"
+    """Prepared data directory (the output of `genrec prepare`)."""
+    features: FeatureSpec = field(default_factory=FeatureSpec)
+    """Which columns are ids, times, labels and the user key."""
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    """`genrec prepare`: split, memory budget, shards."""
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    """Batches for training (evaluation reuses it in eval mode)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    out_dir: str = "runs/default"
+    """Run directory: checkpoints/, metrics.jsonl, TensorBoard events."""
+    max_steps: int = 1000
+    """Optimizer steps to train for (the schedule's length)."""
+    seed: int = 0
+    """Seeds parameters, negative sampling and the data order."""
+    deterministic: bool = True
+    """Deterministic kernels and data order: a resumed run repeats the same losses."""
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """Autocast dtype of the dense tower; master weights stay fp32. fp16 adds a grad scaler."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Dense optimizer and schedule (sparse rows have their table's own optimizer)."""
+    checkpoint_every: int = 500
+    """Checkpoint every this many steps (and on SIGTERM / SIGINT and at the end)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept on disk."""
+    log_every: int = 10
+    """Steps between metric lines (metrics.jsonl, TensorBoard, progress bar)."""
+    eval_every: int = 0
+    """Steps between validations (HR@10, NDCG@10 on the validation split); 0 = only at the end."""
+    eval_max_users: int = 2000
+    """Validation users scored per validation (full item corpus each)."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files."""
+    dense_parallel: Literal["ddp"] = "ddp"
+    """How the dense tower is data-parallel under torchrun."""
+    pipeline: bool = True
+    """Load the next batch and prefetch its rows while the current batch computes."""
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    dense: TowerConfig = field(default_factory=TowerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)

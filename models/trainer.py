@@ -1,0 +1,244 @@
+"""`Trainer`: the training loop of `genrec train`, one process or many under `torchrun`.
+
+    trainer = Trainer(cfg, init_distributed(), resume=False)
+    trainer.train()
+
+Each step: the next batch is already read and collated (a background thread), the
+model computes the loss under autocast, backward applies the sparse rows' optimizer
+inside the store and leaves dense gradients that DDP all-reduces, then AdamW steps the
+dense parameters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from genrec.data.loader import make_loader
+from genrec.models.build import build_model, eval_loader, config_fingerprint, dense_named_parameters, load_item_corpus
+from genrec.models.checkpoint import CheckpointManager, capture_rng_state, install_stop_signals, restore_rng_state
+from genrec.models.config import JobConfig
+from genrec.models.config_loader import to_dict
+from genrec.models.distributed import DistInfo, init_distributed, shutdown
+from genrec.models.progress import ProgressLogger
+from genrec.models.schedule import build_dense_optimizer, warmup_cosine
+from genrec.models.validation import evaluate_retrieval
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+class _Prefetcher:
+    """Reads and collates batch n+1 in a thread while batch n computes.
+
+    The store's own `prefetch` is not called from here: it is a collective under
+    torch.distributed and would interleave with the main thread's collectives.
+
+    Each batch comes with the loader state captured right after drawing it: the position
+    a checkpoint must save after training on it, whatever has been prefetched since.
+    """
+
+    def __init__(self, loader, enabled: bool) -> None:
+        self.loader = loader
+        self.iterator = iter(loader)
+        self.pool = ThreadPoolExecutor(1) if enabled else None
+        self.pending = None
+
+    def _draw(self):
+        try:
+            batch = next(self.iterator)
+        except StopIteration:  # the loader starts its next epoch
+            self.iterator = iter(self.loader)
+            batch = next(self.iterator)
+        return batch, self.loader.state_dict()
+
+    def next(self):
+        if self.pool is None:
+            return self._draw()
+        batch, state_after = (self.pending or self.pool.submit(self._draw)).result()
+        self.pending = self.pool.submit(self._draw)
+        return batch, state_after
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, dist_info: DistInfo, *, resume: bool = False) -> None:
+        self.cfg = cfg
+        self.dist = dist_info
+        tc = cfg.train
+        # The same seed on every rank: replicas start equal and draw the same negatives, so
+        # N ranks reproduce one rank's run on the same global batch.
+        seed_everything(tc.seed, tc.deterministic)
+        self.out_dir = Path(tc.out_dir)
+        self.model, self.store = build_model(cfg, dist_info)
+        self.model.set_item_corpus(load_item_corpus(cfg.data.path))
+        self.optimizer = build_dense_optimizer(dense_named_parameters(self.model), tc.optim)
+        self.scheduler = warmup_cosine(
+            self.optimizer, warmup_steps=tc.optim.warmup_steps, total_steps=tc.max_steps,
+            min_lr_ratio=tc.optim.min_lr_ratio,
+        )
+        self.scaler = torch.amp.GradScaler(enabled=tc.precision == "fp16")
+        self.loader = make_loader(
+            Path(cfg.data.path) / "train", cfg.data.features, cfg.data.loader,
+            rank=dist_info.rank, world_size=dist_info.world_size,
+        )
+        self.checkpoints = CheckpointManager(
+            self.out_dir / "checkpoints", keep_last=tc.keep_checkpoints,
+            rank=dist_info.rank, world_size=dist_info.world_size,
+        )
+        self.fingerprint = config_fingerprint(cfg)
+        self.step = 0
+        latest = self.checkpoints.latest(required=resume)
+        if latest is not None:
+            self._restore(latest)
+        if dist_info.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def _autocast(self):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.precision)
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(self.dist.device.type, dtype=dtype)
+
+    def train_step(self, batch) -> dict[str, float]:
+        self.model.train()
+        self.store.set_event_time(int(batch.timestamps_T.max()))
+        with self._autocast():
+            loss, parts = self.model(batch)
+        self.scaler.scale(loss).backward()
+        clip = self.cfg.train.optim.grad_clip_norm
+        if clip is not None:
+            self.scaler.unscale_(self.optimizer)
+            parts["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
+                [p for _, p in dense_named_parameters(self.model)], clip))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        parts["loss"] = float(loss.detach())
+        parts["lr"] = self.scheduler.get_last_lr()[0]
+        return parts
+
+    def train(self) -> list[float]:
+        """Train to `max_steps`; returns this process's losses (for tests and golden files)."""
+        tc = self.cfg.train
+        stop = install_stop_signals()
+        batches = _Prefetcher(self.loader, enabled=tc.pipeline)
+        logger = ProgressLogger(
+            self.out_dir, total_steps=tc.max_steps, rank=self.dist.rank,
+            enable_tensorboard=tc.tensorboard, start_step=self.step,
+        )
+        losses = []
+        window = {"samples": 0, "tokens": 0, "t0": time.perf_counter()}
+        loader_state = self.loader.state_dict()
+        try:
+            stopped = False
+            while self.step < tc.max_steps:
+                if stop.should_stop():  # collective: every rank stops at the same step
+                    stopped = True
+                    break
+                batch, loader_state = batches.next()
+                parts = self.train_step(batch)
+                self.step += 1
+                losses.append(parts["loss"])
+                window["samples"] += batch.batch_size
+                window["tokens"] += batch.num_tokens
+                if self.step % tc.log_every == 0 or self.step == tc.max_steps:
+                    elapsed = time.perf_counter() - window["t0"]
+                    parts["samples_per_s"] = window["samples"] * self.dist.world_size / elapsed
+                    parts["tokens_per_s"] = window["tokens"] * self.dist.world_size / elapsed
+                    parts.update(store_hit_rates(self.store.stats()))
+                    window = {"samples": 0, "tokens": 0, "t0": time.perf_counter()}
+                    logger.log(self.step, parts)
+                if tc.eval_every and self.step % tc.eval_every == 0:
+                    logger.log(self.step, self.validate())
+                if self.step % tc.checkpoint_every == 0 and self.step < tc.max_steps:
+                    self.save(loader_state)
+            self.save(loader_state)
+            if stopped:
+                logger.write(f"stopped by a signal at step {self.step}; checkpoint saved")
+            else:
+                logger.log(self.step, self.validate())
+        finally:
+            stop.restore()
+            batches.close()
+            logger.close()
+        return losses
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        valid = Path(self.cfg.data.path) / "valid"
+        if not self.cfg.model.retrieval or not any(valid.glob("*.parquet")):
+            return {}
+        loader = eval_loader(self.cfg, "valid", rank=self.dist.rank, world_size=self.dist.world_size)
+        max_batches = -(-self.cfg.train.eval_max_users // (self.cfg.data.loader.batch_size * self.dist.world_size))
+        self.model.eval()
+        with self._autocast():
+            result = evaluate_retrieval(self.model, itertools.islice(loader, max_batches), ks=(10,))
+        self.model.train()
+        return {f"valid/{k}": v for k, v in result.items()}
+
+    # ---- checkpoints --------------------------------------------------------------------
+
+    def save(self, loader_state: dict) -> None:
+        dense_state = {
+            "model": {k: v for k, v in self.model.state_dict().items() if not k.startswith("embeddings.")},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+        rank_state = {"step": self.step, "loader": loader_state, "rng": capture_rng_state()}
+        self.checkpoints.save(
+            self.step, dense_state=dense_state, rank_state=rank_state,
+            write_extra=lambda path: self.store.save_snapshot(path),
+            config_fingerprint=self.fingerprint,
+        )
+
+    def _restore(self, path: Path) -> None:
+        dense_state, rank_state = self.checkpoints.load(path, config_fingerprint=self.fingerprint)
+        missing, unexpected = self.model.load_state_dict(dense_state["model"], strict=False)
+        assert not unexpected and all(k.startswith("embeddings.") for k in missing), (missing, unexpected)
+        self.optimizer.load_state_dict(dense_state["optimizer"])
+        self.scheduler.load_state_dict(dense_state["scheduler"])
+        self.scaler.load_state_dict(dense_state["scaler"])
+        self.store.load_snapshot(self.checkpoints.extra_dir(path))
+        self.loader.load_state_dict(rank_state["loader"])
+        restore_rng_state(rank_state["rng"])
+        self.step = int(rank_state["step"])
+        if self.dist.is_main:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+
+
+def store_hit_rates(stats: dict[str, dict[str, int]]) -> dict[str, float]:
+    """Share of row lookups (all tables, this rank, since start) served by each tier."""
+    tiers = ("device", "host", "ssd")
+    hits = {t: sum(s[f"hits_{t}"] for s in stats.values()) for t in tiers}
+    total = sum(hits.values()) + sum(s["misses"] for s in stats.values())
+    return {f"hit_{t}": hits[t] / total for t in tiers} if total else {}
+
+
+def run_training(cfg: JobConfig, *, resume: bool = False) -> list[float]:
+    dist_info = init_distributed()
+    try:
+        return Trainer(cfg, dist_info, resume=resume).train()
+    finally:
+        shutdown()
