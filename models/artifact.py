@@ -200,6 +200,39 @@ def _export_program(tower: torch.nn.Module, dim: int, path: Path) -> dict[str, A
 # ---------------------------------------------------------------------- export
 
 
+def item_features_from_events(item_ids: torch.Tensor, event_item_ids_E: torch.Tensor,
+                              event_features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Side features of each corpus item from an event log (e.g. the training split's events):
+    the value on the item's last event in the given order; -1 (the default row) for an item
+    with no event. Feeds `export_artifact(item_features=...)`.
+
+        item_ids [5, 7], events item [7, 5, 7] advertiser [2, 3, 4]  ->  {"advertiser_id": [3, 4]}
+    """
+    item_ids = torch.as_tensor(item_ids).long()
+    order = torch.argsort(item_ids)
+    sorted_ids = item_ids[order]
+    ev = torch.as_tensor(event_item_ids_E).long()
+    pos = torch.searchsorted(sorted_ids, ev).clamp(max=max(len(sorted_ids) - 1, 0))
+    hit = sorted_ids[pos] == ev if len(sorted_ids) else torch.zeros_like(ev, dtype=torch.bool)
+    out = {}
+    for f, values in event_features.items():
+        values = torch.as_tensor(values).long()
+        if values.shape != ev.shape:
+            raise ValueError(f"item_features_from_events: {f} has {values.numel()} values for {ev.numel()} events")
+        col = torch.full((len(item_ids),), -1, dtype=torch.int64)
+        # index_put_ with repeated indices keeps one write per slot; write events in order,
+        # deduplicated to the last occurrence of each item, so "last wins" is guaranteed.
+        idx = order[pos[hit]]
+        vals = values[hit]
+        last = torch.zeros(len(item_ids), dtype=torch.int64).scatter_reduce(
+            0, idx, torch.arange(len(idx)), reduce="amax", include_self=False)
+        seen = torch.zeros(len(item_ids), dtype=torch.bool)
+        seen[idx] = True
+        col[seen] = vals[last[seen]]
+        out[f] = col
+    return out
+
+
 def export_artifact(
     model: torch.nn.Module,
     job_config_dict: dict,

@@ -200,7 +200,9 @@ def run(quick: bool) -> dict:
     k, n = (200, 50) if quick else (500, 50)
     max_seq_len = history + k + 16
     dim = 32 if quick else 64
-    threads = 2
+    # One intra-op thread: the box is 2 shared cores and the load generator needs one; with
+    # more threads than free cores, OpenMP spin-waits dominate the latency.
+    threads = 1
     torch.set_num_threads(threads)
     t_start = time.time()
     _log(f"building a synthetic model: {num_items:,} items, D={dim}, history {history}, K={k}, N={n}")

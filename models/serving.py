@@ -126,6 +126,7 @@ class Ranker:
             raise ValueError(f"artifact file dense.safetensors does not fit the model: missing {missing}, "
                              f"unexpected {result.unexpected_keys}")
         self.model.eval()
+        self.model.requires_grad_(False)  # inference only: no autograd graph on any path
         self.features = features
         self.tasks: list[str] = list(model_cfg.ranking_tasks) if model_cfg.ranking else []
         self.table_of: dict[str, ServingTable] = {}

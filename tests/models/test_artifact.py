@@ -142,3 +142,11 @@ def test_exported_program_reproduces_the_tower(tmp_path):
     ts = torch.arange(T) * 13 + 1000
     with torch.no_grad():
         assert torch.allclose(program(x, offsets, ts, num_targets), model.tower(x, offsets, ts, num_targets), atol=1e-5)
+
+
+def test_item_features_from_events_takes_the_last_event():
+    from genrec.models.artifact import item_features_from_events
+
+    got = item_features_from_events(torch.tensor([7, 5, 9]), torch.tensor([7, 5, 7, 11]),
+                                    {"advertiser_id": torch.tensor([2, 3, 4, 8])})
+    assert got["advertiser_id"].tolist() == [4, 3, -1]
