@@ -84,13 +84,18 @@ class TensorHashMap:
 
     def find_slots(self, keys_N: torch.Tensor) -> torch.Tensor:
         """Slot index of each key in the table, -1 where absent."""
-        slots_N = torch.full_like(keys_N, -1)
         if keys_N.numel() == 0 or self.num_live == 0:
-            return slots_N
+            return torch.full_like(keys_N, -1)
         mask = self.capacity - 1
-        pos_P = self._home(keys_N)
-        pending_P = torch.arange(keys_N.numel())
-        want_P = keys_N
+        pos_N = self._home(keys_N)
+        # First probe for everyone at once (most keys sit in their home slot), then loop
+        # over the few that need to probe further.
+        found_N = self.keys_C[pos_N]
+        hit_N = found_N == keys_N
+        slots_N = torch.where(hit_N, pos_N, -1)
+        pending_P = (~hit_N & (found_N != EMPTY)).nonzero().squeeze(1)
+        want_P = keys_N[pending_P]
+        pos_P = (pos_N[pending_P] + 1) & mask
         while pending_P.numel() > 0:
             found_P = self.keys_C[pos_P]
             hit_P = found_P == want_P

@@ -93,15 +93,22 @@ class _Exchange:
 class _TableCall:
     """Everything one table's backward needs from its forward."""
 
-    def __init__(self, store, inverse_N, num_local, exchange, owner_ids_U, owner_inv_R, admitted_U, now):
+    def __init__(self, store, inverse_N, num_local, exchange, owner_ids_U, owner_inv_R, admitted_U, now, locations):
+        self.locations = locations
         self.store, self.inverse_N, self.num_local, self.exchange = store, inverse_N, num_local, exchange
         self.owner_ids_U, self.owner_inv_R, self.admitted_U, self.now = owner_ids_U, owner_inv_R, admitted_U, now
 
     def apply_grad(self, grad_ND: torch.Tensor) -> None:
         d = grad_ND.shape[1]
         grad_LD = grad_ND.new_zeros(self.num_local, d).index_add_(0, self.inverse_N, grad_ND)
-        grad_RD = self.exchange.to_owner(grad_LD)
-        grad_UD = grad_RD.new_zeros(self.owner_ids_U.numel(), d).index_add_(0, self.owner_inv_R, grad_RD)
+        if self.owner_inv_R is None:  # single rank: local unique ids are the owner's
+            grad_UD = grad_LD
+        else:
+            grad_RD = self.exchange.to_owner(grad_LD)
+            grad_UD = grad_RD.new_zeros(self.owner_ids_U.numel(), d).index_add_(0, self.owner_inv_R, grad_RD)
+        if self.locations is not None:  # fast path: all admitted, locations still valid
+            self.store.apply_grad(self.owner_ids_U, grad_UD, self.now, self.locations)
+            return
         keep = self.admitted_U.nonzero().squeeze(1)
         self.store.apply_grad(self.owner_ids_U[keep], grad_UD[keep.to(grad_UD.device)], self.now)
 
@@ -195,19 +202,21 @@ class TieredEmbeddingCollection(nn.Module):
             ids_N = torch.cat([jt.values() for _, jt in feats]).to(torch.int64).cpu()
             uniq_L, inv_N, cnt_L = torch.unique(ids_N, return_inverse=True, return_counts=True)
             ex = _Exchange(uniq_L, self.group)
-            recv = ex.to_owner(torch.stack([uniq_L, cnt_L], dim=1))
             if ex.world == 1:
-                owner_ids, owner_inv, owner_cnt = uniq_L, torch.arange(uniq_L.numel()), cnt_L
+                owner_ids, owner_inv, owner_cnt = uniq_L, None, cnt_L
             else:
+                recv = ex.to_owner(torch.stack([uniq_L, cnt_L], dim=1))
                 owner_ids, owner_inv = torch.unique(recv[:, 0], return_inverse=True)
                 owner_cnt = torch.zeros_like(owner_ids).index_add_(0, owner_inv, recv[:, 1])
+            locations = None
             if train:
                 vals_U, admitted = store.lookup_train(owner_ids, owner_cnt, now)
+                locations = store.last_locations
             else:
                 vals_U, admitted = store.lookup_eval(owner_ids, now), None
             vals_L = ex.from_owner(vals_U[owner_inv.to(vals_U.device)] if ex.world > 1 else vals_U)
             inv_N = inv_N.to(vals_L.device)
-            calls.append(_TableCall(store, inv_N, uniq_L.numel(), ex, owner_ids, owner_inv, admitted, now))
+            calls.append(_TableCall(store, inv_N, uniq_L.numel(), ex, owner_ids, owner_inv, admitted, now, locations))
             values.append(vals_L)
             layout.append(feats)
         if train and calls:

@@ -64,9 +64,9 @@ def apply_update(cfg: TableConfig, rows_UW: torch.Tensor, grad_UD: torch.Tensor)
     if cfg.optimizer == "rowwise_adagrad":
         # FBGEMM: momentum += mean(g^2); w -= lr / (sqrt(momentum) + eps) * g.
         mom_U = rows_UW[:, d]
-        mom_U.add_(grad_UD.square().mean(dim=1))
-        mult_U = cfg.learning_rate / (mom_U.sqrt() + cfg.eps)
-        w_UD.sub_(grad_UD * mult_U.unsqueeze(1))
+        mom_U.add_(torch.linalg.vecdot(grad_UD, grad_UD) / d)
+        mult_U1 = (mom_U.sqrt() + cfg.eps).reciprocal_().mul_(-cfg.learning_rate).unsqueeze(1)
+        w_UD.addcmul_(grad_UD, mult_U1)
     elif cfg.optimizer == "sgd":
         w_UD.sub_(grad_UD * cfg.learning_rate)
     else:  # adam with a per-row step count (lazy Adam: rows not seen do not decay)

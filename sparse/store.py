@@ -37,6 +37,8 @@ class TableStore:
         self.index = TensorHashMap()
         self.pending = TensorHashMap()  # unadmitted id -> sightings so far
         self.step = 0
+        self.version = 0  # bumped whenever any row changes tier or slot
+        self.last_locations = None
         self.last_sweep = None
         self.hits = [0, 0, 0]
         self.misses = 0
@@ -58,6 +60,7 @@ class TableStore:
         return rows_UW, meta_U3
 
     def _set_loc(self, ids_N: torch.Tensor, slots_N: torch.Tensor, t: int) -> None:
+        self.version += 1
         idx_N = self.index.find_slots(ids_N)
         loc_N = (slots_N << 2) | t
         have = idx_N >= 0
@@ -65,6 +68,7 @@ class TableStore:
         self.index.insert_new(ids_N[~have], loc_N[~have])
 
     def _remove(self, ids_N, tier_N, slot_N) -> None:
+        self.version += 1
         self.index.remove_slots(self.index.find_slots(ids_N))
         for t, tier in enumerate(self.tiers):
             tier.free(slot_N[tier_N == t])
@@ -118,11 +122,17 @@ class TableStore:
         tier.write(slots_N, ids_N, rows_NW, meta_N3)
         self._set_loc(ids_N, slots_N, t)
 
+    def _top_tier(self) -> int:
+        # A zero-capacity device tier is skipped, so host-resident rows are not copied out
+        # and back every step.
+        return 0 if self.tiers[0].capacity else 1
+
     def _promote(self, ids_P, tier_P, slot_P, rows_PW, meta_P3) -> None:
         """Move rows found below the device tier up to it (freeing their old slots)."""
+        target = self._top_tier()
         for t in (1, 2):
             self.tiers[t].free(slot_P[tier_P == t])
-        self._place(ids_P, rows_PW, meta_P3, 0)
+        self._place(ids_P, rows_PW, meta_P3, target)
 
     # ---------------------------------------------------------------- admission / TTL
     def _admit(self, ids_N: torch.Tensor, counts_N: torch.Tensor) -> torch.Tensor:
@@ -189,10 +199,14 @@ class TableStore:
     def lookup_train(self, ids_U: torch.Tensor, counts_U: torch.Tensor, now: int | None):
         """Rows of unique ids for a training forward. Returns (values [U, D], admitted [U])."""
         self.step += 1
+        self.last_locations = None
         ttl = self.cfg.ttl_seconds
         if ttl is not None and now is not None and (self.last_sweep is None or now - self.last_sweep >= max(ttl // 4, 1)):
             self.expire(now)
         tier_U, slot_U = self._locate(ids_U)
+        top = self._top_tier()
+        if ttl is None and bool((tier_U == top).all()):
+            return self._lookup_resident(ids_U, counts_U, slot_U, top)
         exists_U = slot_U >= 0
         ex = exists_U.nonzero().squeeze(1)
         rows_EW, meta_E3 = self._read(tier_U[ex], slot_U[ex])
@@ -222,14 +236,28 @@ class TableStore:
         rejected = (~admitted_U).nonzero().squeeze(1)
         if rejected.numel():
             values_UD[rejected.to(self.device)] = self.default_values(ids_U[rejected])
-        # Device-resident rows: refresh metadata in place. Others move up.
+        # Rows already in the top tier: refresh metadata in place. Others move up.
         tier_A = torch.cat([tier_U[ex], torch.full_like(new, 3)])
-        on_dev = tier_A == 0
-        self.tiers[0].meta.scatter(slot_U[ws[on_dev]], meta_A3[on_dev])
-        up = (~on_dev).nonzero().squeeze(1)
+        on_top = tier_A == top
+        self.tiers[top].meta.scatter(slot_U[ws[on_top]], meta_A3[on_top])
+        up = (~on_top).nonzero().squeeze(1)
         self._promote(ids_U[ws[up]], tier_A[up], slot_U[ws[up]], rows_AW[up.to(self.device)], meta_A3[up])
         self._enforce_max_rows()
         return values_UD, admitted_U
+
+    def _lookup_resident(self, ids_U, counts_U, slot_U, top: int):
+        """Fast path: every id already has a row in the top tier and no TTL applies, so
+        nothing moves; only the access metadata changes."""
+        tier = self.tiers[top]
+        meta_C3 = tier.meta.slabs[0]
+        meta_C3[:, META_LAST_ACCESS].index_fill_(0, slot_U, self.step)
+        meta_C3[:, META_FREQ].index_add_(0, slot_U, counts_U)
+        self.hits[top] += int(ids_U.numel())
+        rows_UW = tier.rows.slabs[0].index_select(0, slot_U.to(tier.rows.slabs[0].device))
+        # If no row moves or changes before this call's backward (same version), the
+        # backward updates this copy and writes it back without locating or reading again.
+        self.last_locations = (self.version, top, slot_U, rows_UW)
+        return rows_UW[:, : self.dim].to(self.device), torch.ones_like(ids_U, dtype=torch.bool)
 
     def lookup_eval(self, ids_U: torch.Tensor, now: int | None) -> torch.Tensor:
         """Read-only lookup: unknown or expired ids read the default row."""
@@ -244,13 +272,23 @@ class TableStore:
     def prefetch(self, ids_U: torch.Tensor) -> None:
         """Bring existing rows of upcoming ids to the device tier (values untouched)."""
         tier_U, slot_U = self._locate(ids_U)
-        up = ((slot_U >= 0) & (tier_U > 0)).nonzero().squeeze(1)
+        up = ((slot_U >= 0) & (tier_U > self._top_tier())).nonzero().squeeze(1)
         if up.numel():
             rows_PW, meta_P3 = self._read(tier_U[up], slot_U[up])
             self._promote(ids_U[up], tier_U[up], slot_U[up], rows_PW, meta_P3)
 
-    def apply_grad(self, ids_A: torch.Tensor, grad_AD: torch.Tensor, now: int | None) -> None:
-        """One optimizer step on each row from its summed gradient, wherever it lives now."""
+    def apply_grad(self, ids_A: torch.Tensor, grad_AD: torch.Tensor, now: int | None, locations=None) -> None:
+        """One optimizer step on each row from its summed gradient, wherever it lives now.
+
+        `locations` = (version, tier, slot_A, rows_AW) from the forward's fast path; used
+        only if no row has moved or changed since (version unchanged), else the ids are
+        located and read again."""
+        self.version += 1
+        if locations is not None and locations[0] == self.version - 1 and self.cfg.ttl_seconds is None:
+            _, t, slot_A, rows_AW = locations
+            optim.apply_update(self.cfg, rows_AW, grad_AD.to(rows_AW.device))
+            self.tiers[t].rows.scatter(slot_A, rows_AW)
+            return
         tier_A, slot_A = self._locate(ids_A)
         for t, tier in enumerate(self.tiers):
             pos = (tier_A == t).nonzero().squeeze(1)
@@ -281,6 +319,7 @@ class TableStore:
             tier.free(slots)
         self.index.clear()
         self.pending.clear()
+        self.version += 1
 
     def load_rows(self, ids_N, rows_NW, meta_N3) -> None:
         """Replace the contents with these rows; the policy's best rows go to the fastest tiers."""
