@@ -53,6 +53,32 @@ def uniform01(seed: int, ids_N: torch.Tensor, num_columns: int) -> torch.Tensor:
     return bits_NK.to(torch.float64) * (1.0 / (1 << 53))
 
 
+def _splitmix64_(z: torch.Tensor) -> torch.Tensor:
+    """In-place splitmix64 finalizer (z already offset); saves the temporaries of the
+    functional form, which dominate row initialization at scale."""
+    t = torch.empty_like(z)
+    for shift, mul in ((30, _MUL1), (27, _MUL2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=t)
+        t.bitwise_and_((1 << (64 - shift)) - 1)
+        z.bitwise_xor_(t)
+        if mul is not None:
+            z.mul_(mul)
+    return z
+
+
+def uniform01_f32(seed: int, ids_N: torch.Tensor, num_columns: int) -> torch.Tensor:
+    """float32 [N, num_columns] uniforms in [0, 1), a pure function of (seed, id, column):
+    each 64-bit hash yields two 24-bit uniforms (exact in float32)."""
+    n_pairs = (num_columns + 1) // 2
+    base_N1 = splitmix64(ids_N.to(torch.int64) ^ splitmix64(torch.tensor([seed]))).unsqueeze(1)
+    z_NP = base_N1 + torch.arange(1, n_pairs + 1, dtype=torch.int64).unsqueeze(0) * _GOLDEN
+    _splitmix64_(z_NP)
+    hi_NP = _lshr(z_NP, 40)
+    lo_NP = z_NP.bitwise_and_((1 << 24) - 1)
+    u_NK = torch.stack([hi_NP, lo_NP], dim=2).view(ids_N.numel(), 2 * n_pairs)[:, :num_columns]
+    return u_NK.to(torch.float32).mul_(1.0 / (1 << 24))
+
+
 EMPTY = -1
 TOMBSTONE = -2
 

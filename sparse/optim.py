@@ -18,7 +18,7 @@ import math
 import torch
 
 from .config import TableConfig
-from .hashing import uniform01
+from .hashing import uniform01_f32
 
 
 def state_width(cfg: TableConfig) -> int:
@@ -42,8 +42,8 @@ def initial_values(cfg: TableConfig, ids_U: torch.Tensor) -> torch.Tensor:
         return torch.zeros(ids_U.numel(), d)
     a = init_scale(cfg)
     if cfg.initializer == "uniform":
-        return ((uniform01(cfg.seed, ids_U, d) * 2.0 - 1.0) * a).to(torch.float32)
-    u_UK = uniform01(cfg.seed, ids_U, 2 * d)  # Box-Muller on two uniform streams
+        return uniform01_f32(cfg.seed, ids_U, d).mul_(2.0 * a).sub_(a)
+    u_UK = uniform01_f32(cfg.seed, ids_U, 2 * d).to(torch.float64)  # Box-Muller on two streams
     r = torch.sqrt(-2.0 * torch.log1p(-u_UK[:, :d]))
     return (r * torch.cos(2.0 * math.pi * u_UK[:, d:]) * a).to(torch.float32)
 
