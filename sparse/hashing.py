@@ -88,7 +88,8 @@ class TensorHashMap:
 
     Keys must be >= 0 (EMPTY and TOMBSTONE are negative). Deletion leaves tombstones;
     the map rehashes itself when live + tombstones pass 1/2 of the capacity, so probe
-    chains stay short (the probe loop runs max-chain-length times, not once per key).
+    chains stay short (the probe loop runs max-chain-length times, not once per key, and
+    each round only over the keys still probing).
     """
 
     def __init__(self, capacity: int = 1024) -> None:
@@ -186,7 +187,8 @@ class TensorHashMap:
 
     def _rehash(self, min_live: int) -> None:
         keys_L, values_L = self.items()
-        cap = 1 << max(4, (max(min_live, 1) * 4 - 1).bit_length())  # load <= 1/4 after rehash
+        # Load in [1/4, 1/2) after a rehash: 32-64 bytes per live key, short probe chains.
+        cap = 1 << max(4, (max(min_live, 1) * 2).bit_length())
         self.keys_C = torch.full((cap,), EMPTY, dtype=torch.int64)
         self.values_C = torch.zeros(cap, dtype=torch.int64)
         self.num_live = 0
