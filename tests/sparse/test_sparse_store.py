@@ -91,18 +91,26 @@ def _tbe_lookup(tbe, ids):
     return tbe(ids, offsets)
 
 
-def test_spilling_store_matches_fbgemm_rowwise_adagrad():
-    """Caches far smaller than the working set; two features share one table; a second
-    forward per step (negatives) whose rows overlap the first; 25 steps."""
+@pytest.mark.parametrize("tiers", ["spill", "host_only"])
+def test_store_matches_fbgemm_rowwise_adagrad(tiers):
+    """spill: caches far smaller than the working set, every tier used. host_only: no
+    device tier, all rows resident in host (the fast path that reuses forward rows in
+    backward). Two features share one table; a second forward per step (negatives) whose
+    rows overlap the first, so a stale forward copy would lose an update; 25 steps."""
     n_item, n_adv, d_item, d_adv = 300, 40, 8, 4
+    spill = tiers == "spill"
     item = TableConfig(name="item", embedding_dim=d_item, feature_names=["item_id", "neg_item"],
-                       num_embeddings=n_item, device_rows=8, host_rows=16, learning_rate=0.05, seed=3)
+                       num_embeddings=n_item, device_rows=8 if spill else 0, host_rows=16 if spill else n_item,
+                       learning_rate=0.05, seed=3)
     adv = TableConfig(name="adv", embedding_dim=d_adv, feature_names=["advertiser_id"], num_embeddings=n_adv,
-                      device_rows=4, host_rows=4, learning_rate=0.1, seed=4)
+                      device_rows=4 if spill else 0, host_rows=4 if spill else n_adv, learning_rate=0.1, seed=4)
     tec = TieredEmbeddingCollection(SparseConfig(tables=[item, adv], ssd_slab_rows=32))
     ref_item = _reference_tbe(n_item, d_item, 0.05, optim.initial_values(item, torch.arange(n_item)))
     ref_adv = _reference_tbe(n_adv, d_adv, 0.1, optim.initial_values(adv, torch.arange(n_adv)))
     g = torch.Generator().manual_seed(0)
+    if not spill:  # materialize every row first so that each step takes the resident path
+        for name, n in (("item", n_item), ("adv", n_adv)):
+            tec.stores[name].lookup_train(torch.arange(n), torch.ones(n, dtype=torch.int64), None)
     for _ in range(25):
         B = 5
         lens = torch.randint(0, 7, (B,), generator=g)
@@ -125,8 +133,11 @@ def test_spilling_store_matches_fbgemm_rowwise_adagrad():
     for name, ref in (("item", ref_item), ("adv", ref_adv)):
         store = tec.stores[name]
         ids, rows, _ = store.all_rows()
-        assert ids.numel() > store.tiers[0].capacity + store.tiers[1].capacity, "test must spill to SSD"
-        assert store.tiers[2].num_used > 0
+        if spill:
+            assert ids.numel() > store.tiers[0].capacity + store.tiers[1].capacity, "test must spill to SSD"
+            assert store.tiers[2].num_used > 0 and store.hits[2] > 0
+        else:
+            assert store.tiers[1].num_used == ids.numel() and store.misses == ids.numel()
         d = store.dim
         torch.testing.assert_close(rows[:, :d], ref.split_embedding_weights()[0][ids], atol=1e-6, rtol=0)
         torch.testing.assert_close(rows[:, d], ref.split_optimizer_states()[0][0][ids], atol=1e-6, rtol=1e-6)
