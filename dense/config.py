@@ -73,6 +73,8 @@ class TowerConfig:
     """Epsilon of every LayerNorm."""
 
     def __post_init__(self) -> None:
+        if self.num_time_buckets > 255:
+            raise ValueError(f"TowerConfig.num_time_buckets must be <= 255 (uint8 bucket index), got {self.num_time_buckets}")
         for name in ("embedding_dim", "num_layers", "num_heads", "attention_dim", "linear_dim",
                      "max_seq_len", "num_time_buckets", "target_micro_batch",
                      "attention_block_elems", "ffn_multiplier"):

@@ -67,4 +67,4 @@ class HSTUBlock(nn.Module):
     def forward(self, x_TD: torch.Tensor, layout: JaggedLayout) -> torch.Tensor:
         u, q, k, v = self.project(x_TD)
         attn = self.kernel(q, k, v, layout, self.ts_w, self.pos_w, self.params)
-        return self.finish(x_TD, u, attn.reshape(attn.shape[0], -1))
+        return self.finish(x_TD, u, attn.flatten(1))

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .jagged import JaggedLayout
+from .jagged import JaggedLayout, LengthBucket
 
 
 @dataclass(frozen=True)
@@ -108,85 +108,152 @@ def hstu_attention_reference(q_THd, k_THd, v_THd, layout: JaggedLayout, ts_w, po
 
 # ----------------------------------------------------------------------------------------
 # HSTU chunked: length buckets x query blocks, recomputing tiles in backward (flash-style),
-# so peak memory is one [G, H, q_block, keys] tile instead of [B, H, N, N].
+# so peak float memory is one [G, H, q_block, keys] tile instead of [B, H, N, N].
+#
+# Work per tile is kept to a few passes over the [G, H, q_block, keys] logits:
+# - the mask is folded into the additive bias as a huge negative number: SiLU(-1e30) and its
+#   derivative are exactly 0, so masked pairs contribute exactly nothing;
+# - the normalizer 1/n scales the small [.., q_block, d_v] output (and dO), not the tile;
+# - the time-gap bucket of every (query, key) pair is computed once per call as uint8 and
+#   shared by all layers (1 byte per pair instead of recomputing logs per layer and pass);
+# - rows without candidates share one [q_block, keys] position+mask tile (Toeplitz).
+
+_MASKED = -1e30
 
 
-def _tile(q_blk, k, ts_w, pos_w, pos_GN, ts_GN, hist_G, i0, i1, p):
-    """Logits (fp32), 0/1*inv_n scale and bias indices of query rows [i0, i1) vs keys [0, i1)."""
-    s = torch.matmul(q_blk, k[:, :, :i1].transpose(-1, -2))
-    s = s.to(torch.promote_types(s.dtype, torch.float32))  # tile arithmetic in >= fp32
+def _time_index(bucket: LengthBucket, p: HSTUAttentionParams) -> torch.Tensor:
+    """uint8 [G, N, N] time-gap bucket per pair, cached on the bucket for all layers."""
+    idx = getattr(bucket, "_time_index", None)
+    if idx is None:
+        G, N = bucket.num_rows, bucket.max_len
+        ts = bucket.timestamps_GN
+        idx = torch.empty(G, N, N, dtype=torch.uint8, device=ts.device)
+        step = max(1, 2_000_000 // max(1, G * N))
+        for r0 in range(0, N, step):
+            r1 = min(N, r0 + step)
+            dt = ts[:, r0:r1, None] - ts[:, None, :]
+            idx[:, r0:r1] = time_buckets(dt, p.num_time_buckets, p.time_bucket_divisor).to(torch.uint8)
+        bucket._time_index = idx
+    return idx
+
+
+def _bias_tile(bucket, ts_w, pos_w, i0, i1, p):
+    """Additive fp32 bias (rab, with masked pairs at -1e30) of queries [i0, i1) vs keys [0, i1).
+
+    Returns (bias [G or 1, bq, K], position index [G or 1, bq, K] or None, time index or None).
+    """
+    dev = bucket.positions_GN.device
+    dtype = torch.float32 if pos_w is None else pos_w.dtype
+    if not bucket.has_targets:
+        i = torch.arange(i0, i1, device=dev)[:, None]
+        d = (i - torch.arange(i1, device=dev)[None, :])[None]
+        pos_idx = d.clamp(0, p.max_seq_len - 1) if pos_w is not None else None
+        bias = pos_w[pos_idx] if pos_w is not None else torch.zeros(d.shape, dtype=dtype, device=dev)
+        bias = bias.masked_fill(d < 0, _MASKED)
+    else:
+        pq, pk = bucket.positions_GN[:, i0:i1, None], bucket.positions_GN[:, None, :i1]
+        pos_idx = (pq - pk).clamp(0, p.max_seq_len - 1) if pos_w is not None else None
+        i = torch.arange(i0, i1, device=dev)[None, :, None]
+        j = torch.arange(i1, device=dev)[None, None, :]
+        vis = _visible(i, j, bucket.history_lengths_G[:, None, None])
+        bias = pos_w[pos_idx] if pos_w is not None else torch.zeros(vis.shape, dtype=dtype, device=dev)
+        bias = bias.masked_fill(~vis, _MASKED)
+    t_idx = None
+    if ts_w is not None:
+        t_idx = _time_index(bucket, p)[:, i0:i1, :i1].long()
+        bias = ts_w[t_idx] + bias
+    return bias, pos_idx, t_idx
+
+
+def _inv_n_GN(bucket, p):
+    if p.normalizer == "num_keys":
+        i = torch.arange(bucket.max_len, device=bucket.positions_GN.device)[None, :]
+        return 1.0 / (torch.minimum(i, bucket.history_lengths_G[:, None]) + 1).float()
+    return _inv_n(None, None, p)
+
+
+def _logits(q_blk, k, bias, p):
+    """fp32 (or wider) alpha * q.k + bias."""
+    s = torch.matmul(q_blk, k.transpose(-1, -2))
     if p.alpha != 1.0:
-        s = s * p.alpha
-    rab = relative_bias(pos_GN[:, i0:i1, None], ts_GN[:, i0:i1, None], pos_GN[:, None, :i1],
-                        ts_GN[:, None, :i1], ts_w, pos_w, p)
-    if rab is not None:
-        s = s + rab[:, None]
-    dev = q_blk.device
-    i = torch.arange(i0, i1, device=dev)[None, :, None]
-    j = torch.arange(i1, device=dev)[None, None, :]
-    hist = hist_G[:, None, None]
-    scale = _visible(i, j, hist).to(s.dtype) * _inv_n(i, hist, p)
-    return s, scale[:, None]
+        s.mul_(p.alpha)
+    return torch.add(s, bias[:, None])  # promotes a bf16 product to fp32 in the same pass
 
 
 def _block_rows(G: int, H: int, N: int, p: HSTUAttentionParams) -> int:
     return max(16, min(N, p.block_elems // max(1, G * H * N)))
 
 
+def _scale_rows(x, inv_n, i0, i1):
+    if isinstance(inv_n, float):
+        return x if inv_n == 1.0 else x * inv_n
+    return x * inv_n[:, None, i0:i1, None].to(x.dtype)
+
+
 class _HSTUChunkedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ts_w, pos_w, pos_GN, ts_GN, hist_G, p):
+    def forward(ctx, q, k, v, ts_w, pos_w, bucket, p):
         with torch.autocast(q.device.type, enabled=False):
             G, H, N, _ = q.shape
             bq = _block_rows(G, H, N, p)
+            inv_n = _inv_n_GN(bucket, p)
             out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             for i0 in range(0, N, bq):
                 i1 = min(N, i0 + bq)
-                s, scale = _tile(q[:, :, i0:i1], k, ts_w, pos_w, pos_GN, ts_GN, hist_G, i0, i1, p)
-                a = F.silu(s).mul_(scale).to(v.dtype)
-                out[:, :, i0:i1] = torch.matmul(a, v[:, :, :i1])
-        ctx.save_for_backward(q, k, v, ts_w, pos_w, pos_GN, ts_GN, hist_G)
-        ctx.p = p
+                bias, _, _ = _bias_tile(bucket, ts_w, pos_w, i0, i1, p)
+                s = _logits(q[:, :, i0:i1], k[:, :, :i1], bias, p)
+                a = F.silu(s, inplace=True).to(v.dtype)
+                out[:, :, i0:i1] = _scale_rows(torch.matmul(a, v[:, :, :i1]), inv_n, i0, i1)
+        ctx.save_for_backward(q, k, v, ts_w, pos_w)
+        ctx.bucket, ctx.p = bucket, p
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, ts_w, pos_w, pos_GN, ts_GN, hist_G = ctx.saved_tensors
-        p = ctx.p
+        q, k, v, ts_w, pos_w = ctx.saved_tensors
+        bucket, p = ctx.bucket, ctx.p
         with torch.autocast(q.device.type, enabled=False):
             dout = dout.to(v.dtype)
             G, H, N, _ = q.shape
             bq = _block_rows(G, H, N, p)
-            dq = torch.empty_like(q)
+            inv_n = _inv_n_GN(bucket, p)
             acc = torch.promote_types(q.dtype, torch.float32)  # accumulate grads in >= fp32
+            dq = torch.empty_like(q)
             dk = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv = torch.zeros(v.shape, dtype=acc, device=v.device)
             d_ts = None if ts_w is None else torch.zeros_like(ts_w, dtype=acc)
             d_pos = None if pos_w is None else torch.zeros_like(pos_w, dtype=acc)
             for i0 in range(0, N, bq):
                 i1 = min(N, i0 + bq)
-                q_blk, do_blk = q[:, :, i0:i1], dout[:, :, i0:i1]
-                s, scale = _tile(q_blk, k, ts_w, pos_w, pos_GN, ts_GN, hist_G, i0, i1, p)
-                sig = torch.sigmoid(s)
-                a = (s * sig).mul_(scale)
-                dv[:, :, :i1] += torch.matmul(a.to(v.dtype).transpose(-1, -2), do_blk)
-                da = torch.matmul(do_blk, v[:, :, :i1].transpose(-1, -2)).to(s.dtype)
-                # d silu(s)/ds = sig * (1 + s * (1 - sig))
-                ds = da.mul_(scale).mul_(sig * (1 + s * (1 - sig)))
+                q_blk, k_blk, v_blk = q[:, :, i0:i1], k[:, :, :i1], v[:, :, :i1]
+                do_blk = _scale_rows(dout[:, :, i0:i1], inv_n, i0, i1)
+                bias, pos_idx, t_idx = _bias_tile(bucket, ts_w, pos_w, i0, i1, p)
+                s = _logits(q_blk, k_blk, bias, p)
+                a = F.silu(s).to(v.dtype)
+                dv[:, :, :i1] += torch.matmul(a.transpose(-1, -2), do_blk)
+                del a
+                da = torch.matmul(do_blk, v_blk.transpose(-1, -2)).to(s.dtype)
+                ds = torch.ops.aten.silu_backward(da, s)
+                del da, s
                 ds_c = ds.to(q.dtype)
-                dq[:, :, i0:i1] = torch.matmul(ds_c, k[:, :, :i1]) * p.alpha
-                dk[:, :, :i1] += torch.matmul(ds_c.transpose(-1, -2), q_blk) * p.alpha
+                dq_blk = torch.matmul(ds_c, k_blk)
+                dk_blk = torch.matmul(ds_c.transpose(-1, -2), q_blk)
+                if p.alpha != 1.0:
+                    dq_blk.mul_(p.alpha)
+                    dk_blk.mul_(p.alpha)
+                dq[:, :, i0:i1] = dq_blk
+                dk[:, :, :i1] += dk_blk
                 if d_ts is not None or d_pos is not None:
-                    drab = ds.sum(1).flatten()
-                    pq, pk = pos_GN[:, i0:i1, None], pos_GN[:, None, :i1]
-                    if d_pos is not None:
-                        d_pos.index_add_(0, (pq - pk).clamp(0, p.max_seq_len - 1).flatten(), drab)
+                    drab = ds.sum(1)  # bias is shared by heads
                     if d_ts is not None:
-                        dt = ts_GN[:, i0:i1, None] - ts_GN[:, None, :i1]
-                        d_ts.index_add_(0, time_buckets(dt, p.num_time_buckets, p.time_bucket_divisor).flatten(), drab)
+                        d_ts.index_add_(0, t_idx.flatten(), drab.flatten().to(acc))
+                    if d_pos is not None:
+                        if pos_idx.shape[0] == 1:
+                            drab = drab.sum(0, keepdim=True)
+                        d_pos.index_add_(0, pos_idx.flatten(), drab.flatten().to(acc))
         return (dq, dk.to(k.dtype), dv.to(v.dtype),
                 None if d_ts is None else d_ts.to(ts_w.dtype),
-                None if d_pos is None else d_pos.to(pos_w.dtype), None, None, None, None)
+                None if d_pos is None else d_pos.to(pos_w.dtype), None, None)
 
 
 def hstu_attention_chunked(q_THd, k_THd, v_THd, layout: JaggedLayout, ts_w, pos_w,
@@ -199,9 +266,7 @@ def hstu_attention_chunked(q_THd, k_THd, v_THd, layout: JaggedLayout, ts_w, pos_
     for bucket, x in zip(layout.buckets(p.bucket_min_fill), layout.gather_to_buckets(qkv, p.bucket_min_fill)):
         x = x.transpose(1, 2)  # [G, H, N, 2 dq + dv]
         q, k, v = x[..., :dq].contiguous(), x[..., dq:2 * dq].contiguous(), x[..., 2 * dq:].contiguous()
-        out = _HSTUChunkedFn.apply(q, k, v, ts_w, pos_w, bucket.positions_GN, bucket.timestamps_GN,
-                                   bucket.history_lengths_G, p)
-        parts.append(out.transpose(1, 2))
+        parts.append(_HSTUChunkedFn.apply(q, k, v, ts_w, pos_w, bucket, p).transpose(1, 2))
     return layout.scatter_from_buckets(parts)
 
 
@@ -217,7 +282,8 @@ def mha_reference(q_THd, k_THd, v_THd, layout: JaggedLayout, dropout_p: float) -
     s = torch.einsum("bnhd,bmhd->bhnm", q, k) / math.sqrt(q.shape[-1])
     ar = torch.arange(N, device=q.device)
     i, j = ar[None, :, None], ar[None, None, :]
-    mask = _visible(i, j, layout.history_lengths_B[:, None, None]) & (j < layout.lengths_B[:, None, None])
+    # Padded queries keep their own (zero) key so no softmax row is empty (NaN grads otherwise).
+    mask = _visible(i, j, layout.history_lengths_B[:, None, None]) & ((j < layout.lengths_B[:, None, None]) | (i == j))
     s = s.float().masked_fill(~mask[:, None], float("-inf"))
     a = F.dropout(torch.softmax(s, dim=-1), p=dropout_p)
     out = torch.einsum("bhnm,bmhd->bnhd", a.to(v.dtype), v)

@@ -51,4 +51,4 @@ class TransformerBlock(nn.Module):
             attn = self.kernel(q, k, v, layout, p, self.bucket_min_fill)
         else:
             attn = self.kernel(q, k, v, layout, p)
-        return self.finish(x_TD, None, attn.reshape(attn.shape[0], -1))
+        return self.finish(x_TD, None, attn.flatten(1))
