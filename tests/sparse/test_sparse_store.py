@@ -328,3 +328,26 @@ def test_bad_ssd_dir_raises_naming_path(tmp_path):
         TieredEmbeddingCollection(SparseConfig(tables=[cfg], ssd_dir="/proc"))
     with pytest.raises(ValueError, match="table name 't' appears twice"):
         TieredEmbeddingCollection(SparseConfig(tables=[cfg, cfg]))
+
+
+def test_planner_keeps_small_tables_in_memory_and_splits_budgets():
+    from genrec.sparse.planner import plan_tables
+
+    cfg = SparseConfig(tables=[
+        TableConfig(name="action", embedding_dim=8, feature_names=["action"], num_embeddings=16),
+        TableConfig(name="item", embedding_dim=64, feature_names=["item_id"]),
+        TableConfig(name="adv", embedding_dim=32, feature_names=["advertiser_id"], num_embeddings=1_000_000),
+    ])
+    planned, plans = plan_tables(cfg, device_bytes=200_000_000, host_bytes=400_000_000, world_size=2,
+                                 expected_rows={"item": 100_000_000}, verbose=False)
+    by = {p.name: p for p in plans}
+    assert by["action"].placement == "memory" and by["action"].device_rows == 8
+    assert by["adv"].placement == "memory" and by["adv"].ssd_rows == 0
+    assert by["item"].placement == "tiered" and by["item"].ssd_rows > 0
+    used_device = sum(p.device_rows * p.bytes_per_row for p in plans)
+    used_host = sum(p.host_rows * p.bytes_per_row for p in plans)
+    assert used_device <= 200_000_000 and used_host <= 400_000_000
+    assert [t.device_rows for t in planned.tables] == [by[t.name].device_rows for t in cfg.tables]
+    assert cfg.tables[1].device_rows == 65536  # the input config is not modified
+    with pytest.raises(ValueError, match="'item' is unbounded"):
+        plan_tables(cfg, device_bytes=1, host_bytes=1)
