@@ -10,8 +10,9 @@ Layout (every file listed in the manifest with its sha256 and size):
       tables/<table>.safetensors one embedding table: `ids` (int64, sorted: the id index),
                                  `rows` (fp32 / fp16 / uint8) and for int8 `scale_bias` [N, 2]
       item_index.safetensors     retrieval index: `item_ids` (sorted), normalized item rows
-                                 (same dtype scheme as the tables) and each candidate side
-                                 feature (`feature.<name>`) of every item
+                                 `embeddings` (fp32 / fp16, or for int8 symmetric int8 rows
+                                 with a per-row `scale`, the layout FBGEMM's int8 GEMM takes)
+                                 and each candidate side feature (`feature.<name>`) of every item
 
 Worked example (a table of 3 learned ids, int8):
 
@@ -74,6 +75,15 @@ def quantize_rows(values_ND: torch.Tensor, dtype: Dtype) -> tuple[torch.Tensor, 
     scale_N1 = ((hi_N1 - lo_N1) / 255.0).clamp(min=1e-12)
     q_ND = torch.round((values_ND - lo_N1) / scale_N1).clamp(0, 255).to(torch.uint8)
     return q_ND, torch.cat([scale_N1, lo_N1], dim=1).contiguous()
+
+
+def quantize_rows_symmetric(values_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 row-wise symmetric: rows = q * scale[:, None], q in [-127, 127]. Used for the item
+    index, whose inner products then run as an int8 GEMM (zero point 0 on the weight side)."""
+    values_ND = values_ND.detach().float()
+    scale_N = (values_ND.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q_ND = torch.round(values_ND / scale_N[:, None]).clamp(-127, 127).to(torch.int8)
+    return q_ND.contiguous(), scale_N.contiguous()
 
 
 def dequantize_rows(rows_ND: torch.Tensor, scale_bias_N2: torch.Tensor | None) -> torch.Tensor:
@@ -304,10 +314,11 @@ def export_artifact(
         # item_embeddings); computed here from the fp32 rows just read, before quantization.
         item_table = next(t for t, meta in tables_meta.items() if spec.item in meta["features"])
         emb_ND = torch.nn.functional.normalize(_lookup_fp32(item_rows[item_table], item_ids), dim=-1, eps=1e-6)
-        rows, scale_bias = quantize_rows(emb_ND, dtype)
-        index = {"item_ids": item_ids.contiguous(), "embeddings": rows}
-        if scale_bias is not None:
-            index["scale_bias"] = scale_bias
+        index = {"item_ids": item_ids.contiguous()}
+        if dtype == "int8":
+            index["embeddings"], index["scale"] = quantize_rows_symmetric(emb_ND)
+        else:
+            index["embeddings"] = quantize_rows(emb_ND, dtype)[0]
         for f in side_features:
             index[f"feature.{f}"] = torch.as_tensor(item_features[f]).long().flatten()[order].contiguous()
         save_file(index, str(tmp / ITEM_INDEX_FILE))
@@ -364,7 +375,8 @@ class ArtifactContents:
     """By table name; `manifest["tables"][name]["features"]` says which features read it."""
     item_ids_N: torch.Tensor
     item_rows_ND: torch.Tensor
-    item_scale_bias_N2: torch.Tensor | None
+    item_scale_N: torch.Tensor | None
+    """float32 [N] for an int8 (symmetric) item index, else None."""
     item_side_features: dict[str, torch.Tensor]
 
 
@@ -428,7 +440,7 @@ def load_artifact_contents(artifact_dir: str | os.PathLike) -> ArtifactContents:
     return ArtifactContents(
         path=root, manifest=manifest, dense_state=dense_state, tables=tables,
         item_ids_N=index["item_ids"], item_rows_ND=index["embeddings"],
-        item_scale_bias_N2=index.get("scale_bias"), item_side_features=side,
+        item_scale_N=index.get("scale"), item_side_features=side,
     )
 
 

@@ -151,3 +151,19 @@ def test_bad_requests_name_the_field(setup, change, field):
     with pytest.raises(RequestError) as e:
         rankers["fp32"].rank(dict(req, **change))
     assert e.value.field == field
+
+
+def test_int8_retrieval_fallback_matches_int8_gemm(setup):
+    _, feats, rankers = setup
+    r = rankers["int8"]
+    assert r._int8_blocks is not None  # this torch has FBGEMM's int8 GEMM
+    user, _ = r.encode([r._history(RankRequest(**synthetic_request(NUM_ITEMS, 20, k=20, n=5, seed=9)))])
+    s_gemm, i_gemm = r.retrieve(user, 20, [{}])
+    blocks, r._int8_blocks = r._int8_blocks, None
+    try:
+        s_ref, i_ref = r.retrieve(user, 20, [{}])
+    finally:
+        r._int8_blocks = blocks
+    # The GEMM also quantizes the user vector (uint8 per tensor): close, not identical.
+    assert float((s_gemm - s_ref).abs().max()) < 0.02
+    assert len(set(i_gemm[0, :10].tolist()) & set(i_ref[0].tolist())) >= 9
