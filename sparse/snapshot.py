@@ -45,20 +45,35 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_tensor(path: str, t: torch.Tensor) -> dict:
-    """Write a tensor's raw bytes atomically; return {"file", "bytes", "crc32"}."""
-    data = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
-    crc = 0
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+class _Writer:
+    """Append tensors' raw bytes to `path`.tmp with a running CRC32; `close` fsyncs and
+    renames into place, so a reader never sees a partial file under the final name."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.crc, self.bytes = path, 0, 0
+        self.f = open(path + ".tmp", "wb")
+
+    def write(self, t: torch.Tensor) -> None:
+        data = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
         for start in range(0, len(data), _CHUNK_BYTES):
             chunk = data[start : start + _CHUNK_BYTES]
-            crc = zlib.crc32(chunk, crc)
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return {"file": os.path.basename(path), "bytes": len(data), "crc32": crc}
+            self.crc = zlib.crc32(chunk, self.crc)
+            self.f.write(chunk)
+        self.bytes += len(data)
+
+    def close(self) -> dict:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        os.replace(self.path + ".tmp", self.path)
+        return {"file": os.path.basename(self.path), "bytes": self.bytes, "crc32": self.crc}
+
+
+def _write_tensor(path: str, t: torch.Tensor) -> dict:
+    """Write a tensor's raw bytes atomically; return {"file", "bytes", "crc32"}."""
+    w = _Writer(path)
+    w.write(t)
+    return w.close()
 
 
 def _verify(path: str, info: dict) -> None:
@@ -102,22 +117,20 @@ def save_snapshot(module, path: str) -> None:
         raise ValueError(f"cannot create snapshot directory {vdir}: {e}") from None
     shards = {}
     for name, store in module.stores.items():
-        ids_N, rows_NW, meta_N3 = store.all_rows()
-        p_ids, p_counts = store.pending.items()
         stem = os.path.join(vdir, f"{name}.rank{rank}")
-        shards[name] = {
-            "rank": rank,
-            "num_rows": int(ids_N.numel()),
-            "num_pending": int(p_ids.numel()),
-            "step": store.step,
-            "files": {
-                "ids": _write_tensor(stem + ".ids.bin", ids_N),
-                "rows": _write_tensor(stem + ".rows.bin", rows_NW),
-                "meta": _write_tensor(stem + ".meta.bin", meta_N3),
-                "pending_ids": _write_tensor(stem + ".pending_ids.bin", p_ids),
-                "pending_counts": _write_tensor(stem + ".pending_counts.bin", p_counts),
-            },
-        }
+        writers = {k: _Writer(f"{stem}.{k}.bin") for k in ("ids", "rows", "meta")}
+        num_rows = 0
+        for ids_n, rows_nW, meta_n3 in store.iter_rows():  # slab by slab: bounded memory
+            writers["ids"].write(ids_n)
+            writers["rows"].write(rows_nW)
+            writers["meta"].write(meta_n3)
+            num_rows += int(ids_n.numel())
+        p_ids, p_counts = store.pending.items()
+        files = {k: w.close() for k, w in writers.items()}
+        files["pending_ids"] = _write_tensor(stem + ".pending_ids.bin", p_ids)
+        files["pending_counts"] = _write_tensor(stem + ".pending_counts.bin", p_counts)
+        shards[name] = {"rank": rank, "num_rows": num_rows, "num_pending": int(p_ids.numel()),
+                        "step": store.step, "files": files}
     gathered = [shards]
     if world > 1:
         gathered = [None] * world

@@ -183,7 +183,10 @@ class TableStore:
         ids_N = torch.cat([i for _, _, i in parts])
         _, meta_N3 = self._read(tier_N, slot_N, with_rows=False)
         score_N = self._score(meta_N3).masked_fill(meta_N3[:, META_LAST_ACCESS] >= self.step, _I64_MAX)
-        drop = torch.topk(score_N, min(self.num_rows - cap, int((score_N < _I64_MAX).sum())), largest=False).indices
+        # Drop a little below the cap (1/64 of it) so that a full table does not rescan
+        # every tier on every step.
+        excess = self.num_rows - cap + cap // 64
+        drop = torch.topk(score_N, min(excess, int((score_N < _I64_MAX).sum())), largest=False).indices
         self._remove(ids_N[drop], tier_N[drop], slot_N[drop])
 
     # ---------------------------------------------------------------- public ops
@@ -304,14 +307,22 @@ class TableStore:
                 tier.meta.scatter(slots, meta_P3)
 
     # ---------------------------------------------------------------- bulk (snapshots)
+    def iter_rows(self):
+        """Yield (ids [n], rows [n, W] on CPU, meta [n, 3]) of every materialized row, one
+        slab at a time, so a snapshot of a table larger than memory streams through."""
+        for tier in self.tiers:
+            for ids_slab, rows_slab, meta_slab in zip(tier.ids.slabs, tier.rows.slabs, tier.meta.slabs):
+                used = (ids_slab.view(-1) >= 0).nonzero().squeeze(1)
+                if used.numel():
+                    yield ids_slab.view(-1)[used], rows_slab[used.to(rows_slab.device)].cpu(), meta_slab[used]
+
     def all_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(ids [N], rows [N, W], meta [N, 3]) of every materialized row."""
-        parts = [(t, *tier.used_slots()) for t, tier in enumerate(self.tiers)]
-        tier_N = torch.cat([torch.full_like(s, t) for t, s, _ in parts])
-        slot_N = torch.cat([s for _, s, _ in parts])
-        ids_N = torch.cat([i for _, _, i in parts])
-        rows_NW, meta_N3 = self._read(tier_N, slot_N)
-        return ids_N, rows_NW.cpu(), meta_N3
+        """(ids [N], rows [N, W], meta [N, 3]) of every materialized row (in memory)."""
+        parts = list(self.iter_rows())
+        if not parts:
+            return (torch.empty(0, dtype=torch.int64), torch.empty(0, self.width),
+                    torch.empty(0, NUM_META, dtype=torch.int64))
+        return tuple(torch.cat(x) for x in zip(*parts))
 
     def clear(self) -> None:
         for t, tier in enumerate(self.tiers):
