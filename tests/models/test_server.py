@@ -140,3 +140,34 @@ def test_reload_under_load_fails_no_request(server):
         c.post("/admin/reload", json={"artifact": str(server["arts"]["v1"])}).raise_for_status()
     assert statuses and all(s == 200 for s in statuses)
     assert "v2" in versions
+
+
+def _batch_totals(c: httpx.Client) -> tuple[float, float]:
+    total = count = 0.0
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("genrec_batch_size_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith("genrec_batch_size_count"):
+            count = float(line.split()[-1])
+    return total, count
+
+
+def test_concurrent_requests_are_batched(server):
+    req = synthetic_request(NUM_ITEMS, 50, k=40, n=5, seed=11)
+    with httpx.Client(base_url=server["url"], timeout=60) as c:
+        sum0, count0 = _batch_totals(c)
+        statuses = []
+
+        def burst():
+            with httpx.Client(base_url=server["url"], timeout=60) as cl:
+                statuses.extend(cl.post("/v1/rank", json=req).status_code for _ in range(3))
+
+        threads = [threading.Thread(target=burst) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        sum1, count1 = _batch_totals(c)
+    assert statuses == [200] * 18
+    assert sum1 - sum0 == 18  # every request went through the batcher once
+    assert count1 - count0 < 18  # ... and some shared a batch
