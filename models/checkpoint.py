@@ -299,6 +299,14 @@ class CheckpointManager:
             shutil.rmtree(doomed, ignore_errors=True)
 
     # ---- load --------------------------------------------------------------------------
+    @staticmethod
+    def verify_file(f: Path, meta: dict[str, Any]) -> None:
+        """Refuse a checkpoint file that is missing or differs from its marker entry."""
+        if not f.is_file():
+            raise ValueError(f"checkpoint file {f} is missing")
+        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+            raise ValueError(f"checkpoint file {f} is corrupt or truncated (checksum mismatch)")
+
     def load(
         self, path: str | Path, *, config_fingerprint: dict[str, object]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -324,11 +332,7 @@ class CheckpointManager:
         if DENSE_FILE not in mine or prefix + RANK_STATE_FILE not in mine:
             raise ValueError(f"{path / MARKER} lists no {DENSE_FILE} or {prefix}{RANK_STATE_FILE}")
         for rel, meta in sorted(mine.items()):
-            f = path / rel
-            if not f.is_file():
-                raise ValueError(f"checkpoint file {f} is missing")
-            if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
-                raise ValueError(f"checkpoint file {f} is corrupt or truncated (checksum mismatch)")
+            self.verify_file(path / rel, meta)
         dense = torch.load(path / DENSE_FILE, map_location="cpu", weights_only=True)
         rank_state = torch.load(path / prefix / RANK_STATE_FILE, map_location="cpu", weights_only=True)
         return dense, rank_state

@@ -109,7 +109,10 @@ class Trainer:
             self._restore(latest)
         if dist_info.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+            saved = to_dict(cfg)
+            # Absolute, so `genrec eval` / `export` find the data from any directory.
+            saved["data"]["path"] = str(Path(cfg.data.path).resolve())
+            (self.out_dir / "config.json").write_text(json.dumps(saved, indent=2))
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -209,7 +212,9 @@ class Trainer:
         rank_state = {"step": self.step, "loader": loader_state, "rng": capture_rng_state()}
         self.checkpoints.save(
             self.step, dense_state=dense_state, rank_state=rank_state,
-            write_extra=lambda path: self.store.save_snapshot(path),
+            # One snapshot directory for all ranks (each writes its shards, rank 0 the
+            # manifest): that is what makes it loadable under another world size.
+            write_extra=lambda rank_extra: self.store.save_snapshot(str(sparse_snapshot_dir(rank_extra.parent.parent))),
             config_fingerprint=self.fingerprint,
         )
 
@@ -220,12 +225,17 @@ class Trainer:
         self.optimizer.load_state_dict(dense_state["optimizer"])
         self.scheduler.load_state_dict(dense_state["scheduler"])
         self.scaler.load_state_dict(dense_state["scaler"])
-        self.store.load_snapshot(self.checkpoints.extra_dir(path))
+        self.store.load_snapshot(str(sparse_snapshot_dir(path)))
         self.loader.load_state_dict(rank_state["loader"])
         restore_rng_state(rank_state["rng"])
         self.step = int(rank_state["step"])
         if self.dist.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
+
+
+def sparse_snapshot_dir(checkpoint: Path) -> Path:
+    """Where a checkpoint keeps the sparse store's snapshot (verified by its own CRCs)."""
+    return checkpoint / "sparse"
 
 
 def store_hit_rates(stats: dict[str, dict[str, int]]) -> dict[str, float]:
