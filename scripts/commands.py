@@ -78,3 +78,13 @@ def bench(args: argparse.Namespace) -> dict | None:
             return None
         raise
     return run(quick=args.quick)
+
+
+def eval(args: argparse.Namespace) -> int:  # noqa: A001 - the subcommand's name
+    from genrec.models.evaluate import run_evaluation
+
+    out = run_evaluation(
+        args.checkpoint, args.data, split=args.split, out_dir=args.out, compare=args.compare, seed=args.seed
+    )
+    print(f"wrote {out / 'report.md'}, {out / 'report.json'}")
+    return 0
