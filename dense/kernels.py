@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from . import fused as _fused
 from .jagged import JaggedLayout, LengthBucket
 
 
@@ -38,6 +39,8 @@ class HSTUAttentionParams:
     time_bucket_divisor: float
     bucket_min_fill: float
     block_elems: int
+    fused: bool = True
+    """Chunked kernel: use the compiled fused tile (fused.py) for fp32/bf16 CPU tensors."""
 
 
 def time_buckets(dt: torch.Tensor, num_buckets: int, divisor: float) -> torch.Tensor:
@@ -180,6 +183,23 @@ def _logits(q_blk, k, bias, p):
     return torch.add(s, bias[:, None])  # promotes a bf16 product to fp32 in the same pass
 
 
+def _fused_state(q, k, v, ts_w, pos_w, bucket, p):
+    """A tile -> fused.TileArgs factory when the fused C tile applies, else None."""
+    if not (p.fused and _fused.supports(q, k, v, ts_w, pos_w)):
+        return None
+    G, H, N, _ = q.shape
+    keep = dict(  # held by the closure so the raw pointers stay valid
+        tidx=None if ts_w is None else _time_index(bucket, p),
+        ts_w=None if ts_w is None else ts_w.detach().float().contiguous(),
+        pos_w=None if pos_w is None else pos_w.detach().float().contiguous(),
+        pos=bucket.positions_GN.contiguous(), hist=bucket.history_lengths_G.contiguous())
+
+    def args(i0, i1):
+        return _fused.tile_args(G=G, H=H, bq=i1 - i0, K=i1, N=N, i0=i0, P=p.max_seq_len,
+                                NB=p.num_time_buckets, alpha=p.alpha, **keep)
+    return args
+
+
 def _block_rows(G: int, H: int, N: int, p: HSTUAttentionParams) -> int:
     return max(16, min(N, p.block_elems // max(1, G * H * N)))
 
@@ -197,12 +217,18 @@ class _HSTUChunkedFn(torch.autograd.Function):
             G, H, N, _ = q.shape
             bq = _block_rows(G, H, N, p)
             inv_n = _inv_n_GN(bucket, p)
+            fused = _fused_state(q, k, v, ts_w, pos_w, bucket, p)
             out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             for i0 in range(0, N, bq):
                 i1 = min(N, i0 + bq)
-                bias, _, _ = _bias_tile(bucket, ts_w, pos_w, i0, i1, p)
-                s = _logits(q[:, :, i0:i1], k[:, :, :i1], bias, p)
-                a = F.silu(s, inplace=True).to(v.dtype)
+                if fused is not None:
+                    s = torch.matmul(q[:, :, i0:i1], k[:, :, :i1].transpose(-1, -2))
+                    a = torch.empty(s.shape, dtype=v.dtype)
+                    _fused.tile_forward(fused(i0, i1), s, a)
+                else:
+                    bias, _, _ = _bias_tile(bucket, ts_w, pos_w, i0, i1, p)
+                    s = _logits(q[:, :, i0:i1], k[:, :, :i1], bias, p)
+                    a = F.silu(s, inplace=True).to(v.dtype)
                 out[:, :, i0:i1] = _scale_rows(torch.matmul(a, v[:, :, :i1]), inv_n, i0, i1)
         ctx.save_for_backward(q, k, v, ts_w, pos_w)
         ctx.bucket, ctx.p = bucket, p
@@ -223,19 +249,33 @@ class _HSTUChunkedFn(torch.autograd.Function):
             dv = torch.zeros(v.shape, dtype=acc, device=v.device)
             d_ts = None if ts_w is None else torch.zeros_like(ts_w, dtype=acc)
             d_pos = None if pos_w is None else torch.zeros_like(pos_w, dtype=acc)
+            fused = _fused_state(q, k, v, ts_w, pos_w, bucket, p)
+            if fused is not None:  # the C tile sums bias grads in float64
+                d_ts64 = None if ts_w is None else torch.zeros(ts_w.shape, dtype=torch.float64)
+                d_pos64 = None if pos_w is None else torch.zeros(pos_w.shape, dtype=torch.float64)
             for i0 in range(0, N, bq):
                 i1 = min(N, i0 + bq)
                 q_blk, k_blk, v_blk = q[:, :, i0:i1], k[:, :, :i1], v[:, :, :i1]
                 do_blk = _scale_rows(dout[:, :, i0:i1], inv_n, i0, i1)
-                bias, pos_idx, t_idx = _bias_tile(bucket, ts_w, pos_w, i0, i1, p)
-                s = _logits(q_blk, k_blk, bias, p)
-                a = F.silu(s).to(v.dtype)
-                dv[:, :, :i1] += torch.matmul(a.transpose(-1, -2), do_blk)
-                del a
-                da = torch.matmul(do_blk, v_blk.transpose(-1, -2)).to(s.dtype)
-                ds = torch.ops.aten.silu_backward(da, s)
-                del da, s
-                ds_c = ds.to(q.dtype)
+                if fused is not None:
+                    s = torch.matmul(q_blk, k_blk.transpose(-1, -2))
+                    da = torch.matmul(do_blk, v_blk.transpose(-1, -2))
+                    a = torch.empty(s.shape, dtype=v.dtype)
+                    ds_c = torch.empty(s.shape, dtype=q.dtype)
+                    _fused.tile_backward(fused(i0, i1), s, da, a, ds_c, d_ts64, d_pos64)
+                    del s, da
+                    dv[:, :, :i1] += torch.matmul(a.transpose(-1, -2), do_blk)
+                    del a
+                else:
+                    bias, pos_idx, t_idx = _bias_tile(bucket, ts_w, pos_w, i0, i1, p)
+                    s = _logits(q_blk, k_blk, bias, p)
+                    a = F.silu(s).to(v.dtype)
+                    dv[:, :, :i1] += torch.matmul(a.transpose(-1, -2), do_blk)
+                    del a
+                    da = torch.matmul(do_blk, v_blk.transpose(-1, -2)).to(s.dtype)
+                    ds = torch.ops.aten.silu_backward(da, s)
+                    del da, s
+                    ds_c = ds.to(q.dtype)
                 dq_blk = torch.matmul(ds_c, k_blk)
                 dk_blk = torch.matmul(ds_c.transpose(-1, -2), q_blk)
                 if p.alpha != 1.0:
@@ -243,7 +283,7 @@ class _HSTUChunkedFn(torch.autograd.Function):
                     dk_blk.mul_(p.alpha)
                 dq[:, :, i0:i1] = dq_blk
                 dk[:, :, :i1] += dk_blk
-                if d_ts is not None or d_pos is not None:
+                if fused is None and (d_ts is not None or d_pos is not None):
                     drab = ds.sum(1)  # bias is shared by heads
                     if d_ts is not None:
                         d_ts.index_add_(0, t_idx.flatten(), drab.flatten().to(acc))
@@ -251,6 +291,9 @@ class _HSTUChunkedFn(torch.autograd.Function):
                         if pos_idx.shape[0] == 1:
                             drab = drab.sum(0, keepdim=True)
                         d_pos.index_add_(0, pos_idx.flatten(), drab.flatten().to(acc))
+            if fused is not None:
+                d_ts = None if ts_w is None else d_ts64
+                d_pos = None if pos_w is None else d_pos64
         return (dq, dk.to(k.dtype), dv.to(v.dtype),
                 None if d_ts is None else d_ts.to(ts_w.dtype),
                 None if d_pos is None else d_pos.to(pos_w.dtype), None, None)

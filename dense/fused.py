@@ -1,0 +1,90 @@
+"""ctypes loader for csrc/hstu_tile.c, the fused elementwise part of the chunked HSTU tile.
+
+Compiled on first use with the system C compiler into ~/.cache/genrec (keyed by a hash of
+the source, written atomically), so there is no build step and no torch-header compile.
+When no compiler is available, or GENREC_DENSE_FUSED=0, `library()` returns None and the
+chunked kernel uses its plain PyTorch tile instead (same results, slower).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).parent / "csrc" / "hstu_tile.c"
+_lib: ctypes.CDLL | None | bool = False  # False: not tried yet
+
+
+class TileArgs(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("G", "H", "bq", "K", "N", "i0", "P", "NB")] + [
+        ("tidx", ctypes.c_void_p), ("ts_w", ctypes.c_void_p), ("pos_w", ctypes.c_void_p),
+        ("pos", ctypes.c_void_p), ("hist", ctypes.c_void_p), ("alpha", ctypes.c_float)]
+
+
+def library() -> ctypes.CDLL | None:
+    global _lib
+    if _lib is not False:
+        return _lib
+    _lib = None
+    if os.environ.get("GENREC_DENSE_FUSED", "1") == "0":
+        return None
+    src = _SRC.read_bytes()
+    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+    key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "genrec"
+    so = cache / f"hstu_tile_{key}.so"
+    try:
+        if not so.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+            os.close(fd)
+            subprocess.run([os.environ.get("CC", "cc"), *flags, str(_SRC), "-o", tmp, "-lm"],
+                           check=True, capture_output=True, timeout=120)
+            os.replace(tmp, so)  # atomic: concurrent processes never load a half-written file
+        lib = ctypes.CDLL(str(so))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lib.hstu_tile_fwd.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p, ctypes.c_int,
+                                  ctypes.c_void_p, ctypes.c_int]
+    lib.hstu_tile_bwd.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p, ctypes.c_int,
+                                  ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                  ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    _lib = lib
+    return lib
+
+
+def supports(*tensors: torch.Tensor | None) -> bool:
+    """The fused tile handles contiguous CPU fp32/bf16 tensors."""
+    return all(t is None or (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16))
+               for t in tensors) and library() is not None
+
+
+def _bf(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def tile_args(*, G, H, bq, K, N, i0, P, NB, tidx, ts_w, pos_w, pos, hist, alpha) -> TileArgs:
+    # Every tensor passed here must stay alive (and contiguous) for the duration of the call.
+    return TileArgs(G, H, bq, K, N, i0, P, NB, _ptr(tidx), _ptr(ts_w), _ptr(pos_w), _ptr(pos),
+                    _ptr(hist), alpha)
+
+
+def tile_forward(args: TileArgs, s: torch.Tensor, a: torch.Tensor) -> None:
+    assert s.is_contiguous() and a.is_contiguous()
+    library().hstu_tile_fwd(ctypes.byref(args), s.data_ptr(), _bf(s), a.data_ptr(), _bf(a))
+
+
+def tile_backward(args: TileArgs, s, da, a, ds, d_ts, d_pos) -> None:
+    assert s.is_contiguous() and da.is_contiguous() and a.is_contiguous() and ds.is_contiguous()
+    library().hstu_tile_bwd(ctypes.byref(args), s.data_ptr(), _bf(s), da.data_ptr(), _bf(da),
+                            a.data_ptr(), _bf(a), ds.data_ptr(), _bf(ds), _ptr(d_ts), _ptr(d_pos))
