@@ -150,3 +150,41 @@ def test_item_features_from_events_takes_the_last_event():
     got = item_features_from_events(torch.tensor([7, 5, 9]), torch.tensor([7, 5, 7, 11]),
                                     {"advertiser_id": torch.tensor([2, 3, 4, 8])})
     assert got["advertiser_id"].tolist() == [4, 3, -1]
+
+
+def test_tiered_store_rows_and_unseen_ids_match_the_store(tmp_path):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from genrec.data.config import FeatureSpec
+    from genrec.dense.config import TowerConfig
+    from genrec.dense.tower import build_tower
+    from genrec.models.artifact import item_features_from_events
+    from genrec.models.model import GenerativeRecommender, ModelConfig
+    from genrec.sparse.config import SparseConfig, TableConfig
+    from genrec.sparse.module import TieredEmbeddingCollection
+
+    D = 8
+    spec = FeatureSpec(sparse=["item_id", "action", "advertiser_id"], labels=["click"])
+    store = TieredEmbeddingCollection(SparseConfig(tables=[
+        TableConfig(name="items", embedding_dim=D, feature_names=["item_id"]),
+        TableConfig(name="misc", embedding_dim=D, feature_names=["action", "advertiser_id"])]))
+    tower = build_tower(TowerConfig(embedding_dim=D, num_heads=1, attention_dim=4, linear_dim=4, max_seq_len=32))
+    model = GenerativeRecommender(features=spec, cfg=ModelConfig(ranking=True, ranking_tasks=["click"], task_weights=[1.0]),
+                                  embeddings=store, feature_dims={f: D for f in spec.sparse}, tower=tower, dim=D)
+    gen = torch.Generator().manual_seed(0)
+    items = torch.randint(1 << 40, (50,), generator=gen)  # raw ids from an unbounded space
+    adv = torch.randint(1 << 30, (50,), generator=gen)
+    model.train()
+    store(KeyedJaggedTensor(keys=spec.sparse, values=torch.cat([items, torch.randint(3, (50,), generator=gen), adv]),
+                            lengths=torch.tensor([50, 50, 50])))  # admits the rows
+    model.eval()
+    feats = item_features_from_events(items.unique(), items, {"advertiser_id": adv})
+    art = export_artifact(model, {}, tmp_path / "a", dtype="fp32", item_ids=items.unique(), item_features=feats,
+                          version="v", export_program=False)
+    contents = load_artifact_contents(art)
+    assert contents.tables["items"].ids_N.numel() == items.unique().numel()
+    probe = torch.cat([items[:10], torch.tensor([12345, 1 << 41])])  # seen, then never seen
+    want = store(KeyedJaggedTensor(keys=["item_id"], values=probe, lengths=torch.tensor([len(probe)])))["item_id"].values()
+    got = contents.tables["items"].lookup(probe)
+    assert torch.equal(got, want)
+    assert not got[-2:].any()  # the store's default_row="zeros"
