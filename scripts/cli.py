@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="checkpoint -> serving artifact")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--dtype", choices=["fp32", "fp16", "int8"], default="fp32")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "int8"], default="fp32",
+                   help="storage of the embedding rows and the item index")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing artifact directory")
 
     p = sub.add_parser("eval", help="offline evaluation report")
     p.add_argument("--checkpoint", required=True, help="checkpoint directory or exported artifact")
@@ -66,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--artifact", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for scoring")
+    p.add_argument("--max-batch-size", type=int, default=16, help="requests scored together")
+    p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a request waits for a batch to fill")
 
     p = sub.add_parser("bench", help="benchmarks; prints and writes a JSON of figures and ratios")
     p.add_argument("name", choices=BENCHES)
@@ -73,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small sizes, under a minute")
 
     p = sub.add_parser("demo", help="synthesize -> prepare -> train -> export -> eval -> one query")
-    p.add_argument("--out", default="demo")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--out", default="demo", help="working directory of the demo")
+    p.add_argument("--overwrite", action="store_true", help="start over in an existing --out")
+    p.add_argument("--steps", type=int, default=300, help="training steps")
     return parser
 
 

@@ -63,6 +63,29 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def export(args: argparse.Namespace) -> int:
+    from genrec.models.inference import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"wrote artifact {out}")
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    from genrec.models.server import serve as run_server
+
+    run_server(args.artifact, host=args.host, port=args.port, threads=args.threads,
+               max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms)
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    from genrec.scripts.demo import run_demo
+
+    run_demo(args.out, overwrite=args.overwrite, steps=args.steps)
+    return 0
+
+
 def bench(args: argparse.Namespace) -> dict | None:
     module = {
         "data": "genrec.data.bench",
