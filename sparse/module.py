@@ -99,6 +99,7 @@ class _TableCall:
         self.owner_ids_U, self.owner_inv_R, self.admitted_U, self.now = owner_ids_U, owner_inv_R, admitted_U, now
 
     def apply_grad(self, grad_ND: torch.Tensor) -> None:
+        grad_ND = grad_ND.float()  # rows and optimizer state are fp32 whatever autocast did
         d = grad_ND.shape[1]
         grad_LD = grad_ND.new_zeros(self.num_local, d).index_add_(0, self.inverse_N, grad_ND)
         if self.owner_inv_R is None:  # single rank: local unique ids are the owner's

@@ -1,4 +1,4 @@
-"""2 gloo ranks give the same rows as 1 rank on the same global batch; resharding 2 -> 1."""
+"""2 gloo ranks give the same rows as 1 rank on the same global batch; resharding 1 -> 2 -> 1."""
 
 from __future__ import annotations
 
@@ -55,6 +55,8 @@ def kjts(users):
 def train(tec, users_of_step, steps: int) -> None:
     for step in range(steps):
         hist, neg = kjts(users_of_step(step))
+        if step % 2:
+            tec.prefetch(hist)  # a collective too; must not change any value
         out, out_neg = tec(hist), tec(neg)
         # A sum of per-occurrence terms: the global loss is the sum of the ranks' losses.
         loss = (out["item_id"].values().sum() + out["item_id"].values().square().sum()
@@ -74,8 +76,15 @@ def rows_by_id(tec):
 def _worker(rank: int, world: int, port: int, out_dir: str, steps: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    # Reshard 1 -> 2: the snapshot the single-rank run saved, loaded under 2 ranks.
+    from_single = TieredEmbeddingCollection(make_config())
+    from_single.load_snapshot(os.path.join(out_dir, "single_snap"))
     tec = TieredEmbeddingCollection(make_config())
     train(tec, lambda s: global_batch(s)[rank::world], steps)
+    for name, (ids, rows) in rows_by_id(from_single).items():
+        mine = rows_by_id(tec)[name]
+        assert torch.equal(ids, mine[0]), f"rank {rank} {name}: resharded ids differ"
+        torch.testing.assert_close(rows, mine[1], atol=1e-6, rtol=1e-6)
     # eval under 2 ranks: read-only and consistent with the owner's rows
     tec.eval()
     hist, _ = kjts(global_batch(0)[rank::world])
@@ -92,12 +101,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_ranks_equal_one_rank_and_reshard_to_one(tmp_path):
+def test_two_ranks_equal_one_rank_and_snapshots_reshard(tmp_path):
     steps = 8
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), steps), nprocs=2, join=True)
     single = TieredEmbeddingCollection(make_config())
     train(single, global_batch, steps)
     expected = rows_by_id(single)
+    single.save_snapshot(str(tmp_path / "single_snap"))
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), steps), nprocs=2, join=True)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for name, (ids, rows) in expected.items():
         got_ids = torch.cat([p["rows"][name][0] for p in parts])
