@@ -43,13 +43,15 @@ class TableConfig:
     """An id gets a row once it has been seen this many times in training forwards
     (1 = admit at first sight)."""
     admit_probability: float = 1.0
-    """Each sighting of an unadmitted id admits it with this probability (deterministic
-    in (seed, id, sighting number), so independent of sharding)."""
+    """Once an id has admit_min_count sightings, each sighting admits it with this
+    probability: P = 1 - (1 - p)^sightings_in_batch, drawn deterministically from (seed,
+    id, sightings so far), so the outcome does not depend on sharding or arrival order."""
     default_row: Literal["zeros", "init"] = "zeros"
     """What unadmitted (or, in eval, unknown) ids read: zeros, or the id's would-be
     initial row. They never receive updates."""
     cache_policy: Literal["lru", "lfu"] = "lru"
-    """Which rows leave the device / host caches first (and are dropped under max_rows)."""
+    """Which rows leave the device / host caches first (and are dropped under max_rows):
+    least recently used, or least frequently used (ties: least recent)."""
     ttl_seconds: int | None = None
     """Rows not updated for this many seconds of event time are dropped from every tier."""
     max_rows: int | None = None
@@ -68,8 +70,10 @@ class SparseConfig:
     tables: list[TableConfig] = field(default_factory=list)
     """Embedding tables."""
     ssd_dir: str | None = None
-    """Directory for the SSD tier (one sub-directory per table and rank). None = a fresh
-    temporary directory, deleted at exit."""
+    """Existing, writable directory for the SSD tier (one sub-directory per table and
+    rank, recreated empty when a store opens: durability comes from snapshots). Two live
+    stores must not share it with the same rank. None = a fresh temporary directory,
+    deleted at exit."""
     ssd_slab_rows: int = 1 << 18
     """Rows per memory-mapped slab file of the SSD tier."""
     device: str = "cpu"
