@@ -15,7 +15,8 @@ Worked example (tables item(dim 4, features item_id and neg_item_id), action(dim
 
 Training forward (module.training and grad enabled): per table, ids of all its features
 are deduplicated (torch.unique), sent to their owner rank (splitmix64(id) % world_size)
-with all-to-all, admitted / materialized / brought to the device tier there, and the
+with all-to-all, admitted / materialized / brought up from SSD there (on CUDA host hits
+move to the device tier too; on CPU both are process memory and they stay), and the
 rows come back. The returned values are the output of one autograd Function whose
 backward sums row gradients per unique id, sends them to the owners and applies the
 sparse optimizer to the rows wherever they live at that moment: the trainer calls only

@@ -286,7 +286,8 @@ class TableStore:
     def prefetch(self, ids_U: torch.Tensor) -> None:
         """Bring existing rows of upcoming ids to the device tier (values untouched)."""
         tier_U, slot_U = self._locate(ids_U)
-        up = ((slot_U >= 0) & (tier_U > self._top_tier())).nonzero().squeeze(1)
+        lowest_kept = 1 if self.keep_host_hits else self._top_tier()
+        up = ((slot_U >= 0) & (tier_U > lowest_kept)).nonzero().squeeze(1)
         if up.numel():
             rows_PW, meta_P3 = self._read(tier_U[up], slot_U[up])
             self._promote(ids_U[up], tier_U[up], slot_U[up], rows_PW, meta_P3)
