@@ -1,0 +1,503 @@
+"""Offline evaluation (`genrec eval`): one pass over a prepared evaluation split -> a report.
+
+    run_evaluation("runs/ml100k", "data/ml100k", split="test", out_dir="runs/ml100k/eval",
+                   compare="runs/sasrec")          # -> Path("runs/ml100k/eval")
+
+What is measured, per model, on every evaluation row of the split (one row per user; the
+row's last event is the held-out target, everything before it the user's history):
+
+- Retrieval, full corpus: the target's rank among all items of the model's corpus (the
+  prepared data's training items), the items of the user's *whole* history removed (not
+  only the `data.loader.max_seq_len` window the model reads), pessimistic ties. A target
+  that is not in the corpus is a miss (rank N). HR@K and NDCG@K for K in 10, 50, 200; MRR.
+- Ranking (models with a ranking head): the row's last `ranking_candidates` events are
+  scored as candidates after the history before them, under the target-aware mask as in
+  training; AUC, GAUC, log loss, NE, calibration and a reliability curve per task. With one
+  candidate per user (the held-out target) no user has two classes, so GAUC (a per-user AUC)
+  is undefined; the default therefore scores the last two events on a leave-one-out test
+  split, whose second-to-last event is the validation target, also never trained on.
+- Slices of both: `user_type` (`new` = fewer than `new_user_events` events before the target,
+  else `returning`), `history_length` (events before the target, bucketed at
+  `HISTORY_EDGES`), `item_popularity` (the target's / candidate's train count: head, torso,
+  tail by `popularity_buckets`; items outside the corpus are tail), and each column of
+  `slice_columns` (a sparse feature such as category_id, the value on the target event).
+- Baselines in the same table: most-popular items (the prepared data's train counts) for
+  retrieval and, through its popularity order, ranking AUC / GAUC (its log loss and
+  calibration mean nothing). `compare` evaluates a second checkpoint on the same rows in
+  the same order and adds a paired bootstrap of the differences.
+- Bootstrap CIs (users resampled) of the headline figures, deterministic for `seed`.
+
+Memory: one batch of rows at a time plus, per model, one rank per user and one
+(user, probability, label) per ranking candidate.
+
+Bad input (a checkpoint whose features are not in the data, an empty split, labels other
+than 0 / 1, NaN scores) raises ValueError before the report is written: no report appears.
+
+A checkpoint is a run directory or a step directory (`models.inference.load_trained`), or an
+exported serving artifact (`models.artifact`; its fp32 / fp16 / int8 tables are the rows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+from tqdm import tqdm
+
+from genrec.data.batch import Batch
+from genrec.data.config import FeatureSpec
+from genrec.data.loader import LoaderConfig, make_loader
+from genrec.data.prepare import load_manifest
+from genrec.models.metrics import (
+    POPULARITY_VALUES,
+    USER_TYPE_VALUES,
+    PopularityScorer,
+    RankingMetrics,
+    RetrievalMetrics,
+    SlicedMetrics,
+    bucket_labels,
+    compare_models,
+    headline_cis,
+    length_buckets,
+    popularity_buckets,
+    rank_of_target,
+)
+from genrec.models.model import GenerativeRecommender, interleave_jagged
+from genrec.models.report import collect_versions, write_report
+from genrec.models.validation import corpus_index
+
+EVAL_KS = (10, 50, 200)
+"""Retrieval cutoffs."""
+HISTORY_EDGES = (5, 20, 50, 200)
+"""History-length bucket edges (events before the target)."""
+NEW_USER_EVENTS = 5
+"""Default: users with fewer events than this before the target are `new`."""
+POPULARITY = "popularity"
+"""Name of the most-popular baseline in the report."""
+DEFAULT_SLICE_COLUMN = "category_id"
+"""Sliced by default when the data has it."""
+TS = "ts"
+"""Key of the timestamps in the jagged event dicts below (never a feature name: prepare
+reserves it)."""
+
+
+# --------------------------------------------------------------------------- models
+
+
+@dataclass
+class _Scored:
+    """One model under evaluation and its accumulators."""
+
+    name: str
+    source: str
+    model: GenerativeRecommender
+    features: FeatureSpec
+    tasks: list[str]
+    """Ranking tasks (empty without a ranking head)."""
+    window: int
+    """History events the model reads (the most recent)."""
+    max_tokens: int
+    """The tower's max_seq_len: history + candidates must fit."""
+    config: dict
+    item_corpus: torch.Tensor = field(default=None)
+    item_emb_ND: torch.Tensor = field(default=None)
+    retrieval: RetrievalMetrics = field(default=None)
+    retrieval_slices: SlicedMetrics = field(default=None)
+    ranking: RankingMetrics | None = None
+    ranking_slices: SlicedMetrics | None = None
+
+
+class _ArtifactEmbeddings(torch.nn.Module):
+    """TorchRec's embedding contract (kjt -> {feature: JaggedTensor}) over an exported
+    artifact's tables, so the recommender's own scoring methods run on artifact rows."""
+
+    def __init__(self, table_of: dict) -> None:
+        super().__init__()
+        self.table_of = table_of
+
+    def forward(self, kjt: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        return {k: JaggedTensor(values=self.table_of[k].lookup(kjt[k].values()), lengths=kjt[k].lengths())
+                for k in kjt.keys()}
+
+
+def _is_artifact(path: Path) -> bool:
+    from genrec.models.artifact import MANIFEST
+
+    return (path / MANIFEST).is_file() and not (path / "config.json").is_file()
+
+
+def load_scored(path: str | Path, data_dir: Path) -> _Scored:
+    """A checkpoint (run or step directory) or an exported artifact, ready to score."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
+    if _is_artifact(path):
+        from genrec.models.serving import load_artifact
+
+        ranker = load_artifact(path)
+        model = ranker.model
+        model.embeddings = _ArtifactEmbeddings(ranker.table_of)
+        model.set_item_corpus(ranker.item_ids_N)
+        job = ranker.manifest.get("job_config") or {}
+        max_tokens = int(ranker.manifest["tower"]["max_seq_len"])
+        window = int(job.get("data", {}).get("loader", {}).get("max_seq_len", max_tokens - 1))
+        config = {"artifact": {k: ranker.manifest[k] for k in ("version", "dtype", "features", "model", "tower")},
+                  "job_config": job}
+        name = f"{path.name} ({ranker.dtype})"
+        return _Scored(name=name, source=str(path), model=model, features=ranker.features, tasks=ranker.tasks,
+                       window=window, max_tokens=max_tokens, config=config)
+    from genrec.models.config_loader import to_dict
+    from genrec.models.inference import load_trained, resolve_checkpoint
+
+    _, run_dir = resolve_checkpoint(path)
+    # The item corpus comes from the data being evaluated, not from where the run trained.
+    cfg, model = load_trained(path, overrides={"data": {"path": str(data_dir)}})
+    return _Scored(name=run_dir.resolve().name, source=str(path), model=model, features=cfg.data.features,
+                   tasks=list(cfg.model.ranking_tasks) if cfg.model.ranking else [],
+                   window=cfg.data.loader.max_seq_len, max_tokens=cfg.dense.max_seq_len, config=to_dict(cfg))
+
+
+def check_features(scored: _Scored, data: FeatureSpec, manifest_path: Path) -> None:
+    """The model must read only columns the prepared data has, with the same roles."""
+    model = scored.features
+    for role in ("item", "action"):
+        if getattr(model, role) != getattr(data, role):
+            raise ValueError(f"{scored.source}: data.features.{role} is {getattr(model, role)!r} but the prepared "
+                             f"data {manifest_path} has {getattr(data, role)!r}: feature spec does not match the data")
+    missing = [c for c in model.sparse if c not in data.sparse]
+    if missing:
+        raise ValueError(f"{scored.source}: data.features.sparse columns {missing} are not in the prepared data "
+                         f"{manifest_path} (its sparse columns: {data.sparse}): feature spec does not match the data")
+    missing = [t for t in scored.tasks if t not in data.labels]
+    if missing:
+        raise ValueError(f"{scored.source}: ranking tasks {missing} are not label columns of the prepared data "
+                         f"{manifest_path} (its labels: {data.labels}): feature spec does not match the data")
+
+
+# --------------------------------------------------------------------------- jagged rows
+
+
+def _ranges(starts_B: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
+    """Concatenated aranges [s, s + n) per row."""
+    offsets_B1 = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths_B)
+    total = int(offsets_B1[-1])
+    return torch.repeat_interleave(starts_B - offsets_B1[:-1], lengths_B, output_size=total) + torch.arange(total)
+
+
+def _events(kjt: KeyedJaggedTensor, ts_T: torch.Tensor, keys: list[str]) -> dict[str, torch.Tensor]:
+    """{feature: values [T], "ts": [T]}: the flat, row-major values of a KJT's keys."""
+    return {**{k: kjt[k].values() for k in keys}, TS: ts_T}
+
+
+def _take(events: dict[str, torch.Tensor], idx_T: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: v[idx_T] for k, v in events.items()}
+
+
+def _keep_last(events: dict[str, torch.Tensor], lengths_B: torch.Tensor, n: int):
+    """The most recent `n` events of each row: (events, lengths_B)."""
+    keep_B = lengths_B.clamp(max=n)
+    ends_B = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths_B)[1:]
+    return _take(events, _ranges(ends_B - keep_B, keep_B)), keep_B
+
+
+def _concat_rows(a: dict[str, torch.Tensor], a_len_B: torch.Tensor, b: dict[str, torch.Tensor], b_len_B: torch.Tensor):
+    """Row i = a_i followed by b_i: (events, lengths_B)."""
+    out = {k: interleave_jagged(a[k], a_len_B, b[k], b_len_B)[0] for k in a}
+    return out, a_len_B + b_len_B
+
+
+def _kjt(events: dict[str, torch.Tensor], lengths_B: torch.Tensor, keys: list[str]) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(keys=keys, values=torch.cat([events[k] for k in keys]),
+                             lengths=lengths_B.repeat(len(keys)))
+
+
+@dataclass
+class _Rows:
+    """One batch of evaluation rows, read with the whole history (no window)."""
+
+    user_ids_B: torch.Tensor
+    before_target: dict[str, torch.Tensor]
+    """All events before the target, every data column."""
+    before_target_len_B: torch.Tensor
+    history: dict[str, torch.Tensor]
+    """Events before the first ranking candidate."""
+    history_len_B: torch.Tensor
+    candidates: dict[str, torch.Tensor]
+    """The row's last events (the target last), every data column."""
+    candidate_len_B: torch.Tensor
+    labels_CL: torch.Tensor
+    """Candidate labels, data label order."""
+    target_B: dict[str, torch.Tensor]
+    """Every data column's value on the target event."""
+
+    @staticmethod
+    def from_batch(batch: Batch, keys: list[str], split_dir: Path) -> "_Rows":
+        cand_len_B = batch.candidates.lengths()[: batch.batch_size].long()
+        if bool((cand_len_B == 0).any()):
+            user = int(batch.user_ids_B[cand_len_B == 0][0])
+            raise ValueError(f"{split_dir}: user {user} has a one-event evaluation row (no history before the target)")
+        hist_len_B = batch.history_lengths_B.long()
+        history = _events(batch.history, batch.timestamps_T, keys)
+        candidates = _events(batch.candidates, batch.candidate_timestamps_C, keys)
+        cand_ends_B = torch.ops.fbgemm.asynchronous_complete_cumsum(cand_len_B)[1:]
+        is_target_C = torch.zeros(len(candidates[TS]), dtype=torch.bool)
+        is_target_C[cand_ends_B - 1] = True
+        before, before_len_B = _concat_rows(history, hist_len_B, _take(candidates, ~is_target_C), cand_len_B - 1)
+        return _Rows(user_ids_B=batch.user_ids_B, before_target=before, before_target_len_B=before_len_B,
+                     history=history, history_len_B=hist_len_B, candidates=candidates, candidate_len_B=cand_len_B,
+                     labels_CL=batch.labels_CL, target_B=_take(candidates, cand_ends_B - 1))
+
+    def retrieval_batch(self, scored: _Scored) -> Batch:
+        keys = scored.features.sparse
+        events, len_B = _keep_last(self.before_target, self.before_target_len_B, scored.window)
+        return Batch(user_ids_B=self.user_ids_B, history=_kjt(events, len_B, keys), timestamps_T=events[TS],
+                     history_lengths_B=len_B, targets_B=self.target_B[scored.features.item])
+
+    def ranking_batch(self, scored: _Scored) -> Batch:
+        keys = scored.features.sparse
+        room = min(scored.window, scored.max_tokens - int(self.candidate_len_B.max()))
+        events, len_B = _keep_last(self.history, self.history_len_B, room)
+        return Batch(user_ids_B=self.user_ids_B, history=_kjt(events, len_B, keys), timestamps_T=events[TS],
+                     history_lengths_B=len_B, candidates=_kjt(self.candidates, self.candidate_len_B, keys),
+                     candidate_timestamps_C=self.candidates[TS], labels_CL=self.labels_CL)
+
+    def seen(self, item: str, corpus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Jagged (corpus positions, offsets_B1) of the seen items that are in `corpus`."""
+        pos_S, found_S = corpus_index(corpus, self.before_target[item])
+        rows_S = torch.repeat_interleave(torch.arange(len(self.user_ids_B)), self.before_target_len_B)
+        counts_B = torch.bincount(rows_S[found_S], minlength=len(self.user_ids_B))
+        return pos_S[found_S], torch.ops.fbgemm.asynchronous_complete_cumsum(counts_B)
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def _target_ranks(scores_BN: torch.Tensor, target_ids_B: torch.Tensor, corpus: torch.Tensor,
+                  seen: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Full-corpus rank of each target (seen items excluded); targets outside the corpus rank N."""
+    target_pos_B, found_B = corpus_index(corpus, target_ids_B)
+    ranks_B = rank_of_target(scores_BN, target_pos_B, seen).cpu()
+    return torch.where(found_B, ranks_B, torch.full_like(ranks_B, len(corpus)))
+
+
+@torch.no_grad()
+def _score_retrieval(scored: _Scored, rows: _Rows) -> torch.Tensor:
+    batch = rows.retrieval_batch(scored)
+    user_BD = scored.model.user_embeddings(batch)
+    if not bool(torch.isfinite(user_BD).all()):
+        bad = int(batch.user_ids_B[~torch.isfinite(user_BD).all(1)][0])
+        raise ValueError(f"{scored.source}: the model gives NaN / inf user embeddings (user {bad}): NaN scores")
+    return _target_ranks(user_BD @ scored.item_emb_ND.T, batch.targets_B, scored.item_corpus,
+                         rows.seen(scored.features.item, scored.item_corpus))
+
+
+@torch.no_grad()
+def _score_ranking(scored: _Scored, rows: _Rows) -> torch.Tensor:
+    probs_CL = scored.model.rank_probabilities(rows.ranking_batch(scored)).float()
+    if not bool(torch.isfinite(probs_CL).all()):
+        raise ValueError(f"{scored.source}: the ranking head gives NaN / inf probabilities: NaN scores")
+    return probs_CL
+
+
+def _new_accumulators(tasks: list[str], slice_columns: dict[str, list[str] | None]):
+    retrieval = RetrievalMetrics(ks=EVAL_KS)
+    retrieval_slices = SlicedMetrics(lambda: RetrievalMetrics(ks=EVAL_KS), slice_columns, method="update_ranks")
+    if not tasks:
+        return retrieval, retrieval_slices, None, None
+    ranking = RankingMetrics(tasks=tasks)
+    ranking_slices = SlicedMetrics(lambda: RankingMetrics(tasks=tasks), slice_columns)
+    return retrieval, retrieval_slices, ranking, ranking_slices
+
+
+def _section(retrieval: RetrievalMetrics, retrieval_slices: SlicedMetrics, ranking: RankingMetrics | None,
+             ranking_slices: SlicedMetrics | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"retrieval": retrieval.compute(), "slices": {"retrieval": retrieval_slices.compute()}}
+    if ranking is not None:
+        out["ranking"] = ranking.compute()
+        out["slices"]["ranking"] = ranking_slices.compute()
+    return out
+
+
+def _read_item_counts(data_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted item ids [N], their train counts [N]) from items.parquet."""
+    path = data_dir / "items.parquet"
+    if not path.is_file():
+        raise ValueError(f"{path} not found: is {data_dir} the output of `genrec prepare`?")
+    table = pq.read_table(path, columns=["item_id", "count"])
+    ids = torch.from_numpy(table.column("item_id").to_numpy().astype(np.int64))
+    counts = torch.from_numpy(table.column("count").to_numpy().astype(np.int64))
+    order = torch.argsort(ids)
+    return ids[order], counts[order]
+
+
+def _manifest_checksums(data_dir: Path, manifest: dict) -> dict[str, str]:
+    out = {"manifest.json": "sha256:" + hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest()}
+    for rel, info in sorted(manifest.get("outputs", {}).items()):
+        out[rel] = f"sha256:{info['sha256']}"
+    return out
+
+
+def _split_rows(split_dir: Path) -> int:
+    if not split_dir.is_dir():
+        raise ValueError(f"{split_dir}: no such split directory in the prepared data")
+    files = sorted(split_dir.glob("*.parquet"))
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    if rows == 0:
+        raise ValueError(f"{split_dir}: the split is empty (no evaluation rows)")
+    return rows
+
+
+def _check_labels(rows: _Rows, labels: list[str], split_dir: Path) -> None:
+    bad_CL = (rows.labels_CL != 0) & (rows.labels_CL != 1)
+    if bool(bad_CL.any()):
+        c, j = (int(x) for x in torch.nonzero(bad_CL)[0])
+        user = int(torch.repeat_interleave(rows.user_ids_B, rows.candidate_len_B)[c])
+        raise ValueError(f"{split_dir}: label column {labels[j]!r} has value {float(rows.labels_CL[c, j]):g} "
+                         f"(user {user}); labels must be 0 or 1")
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_evaluation(
+    checkpoint: str | Path,
+    data_dir: str | Path,
+    split: str = "test",
+    *,
+    out_dir: str | Path,
+    compare: str | Path | None = None,
+    seed: int = 0,
+    slice_columns: list[str] | None = None,
+    ranking_candidates: int | None = None,
+    new_user_events: int = NEW_USER_EVENTS,
+    batch_size: int = 128,
+    num_resamples: int = 1000,
+    progress: bool = True,
+) -> Path:
+    """Evaluate `checkpoint` (and `compare`) on `data_dir/split`; write the report to `out_dir`.
+
+    slice_columns: sparse data columns to slice by (the target event's value); None: category_id
+    when the data has it. ranking_candidates: events per row scored by the ranking head; None:
+    2 on a leave-one-out test split (both held out of training), else 1. Returns `out_dir`.
+    """
+    if split not in ("test", "valid"):
+        raise ValueError(f"split must be 'test' or 'valid', got {split!r}")
+    data_dir = Path(data_dir)
+    manifest = load_manifest(data_dir)
+    data_features = FeatureSpec(**manifest["features"])
+    split_dir = data_dir / split
+    num_rows = _split_rows(split_dir)
+    if slice_columns is None:
+        slice_columns = [DEFAULT_SLICE_COLUMN] if DEFAULT_SLICE_COLUMN in data_features.sparse else []
+    for column in slice_columns:
+        if column not in data_features.sparse:
+            raise ValueError(f"slice column {column!r} is not a sparse column of {data_dir / 'manifest.json'} "
+                             f"({data_features.sparse})")
+    if ranking_candidates is None:
+        loo = manifest.get("split", {}).get("kind") == "leave_one_out"
+        ranking_candidates = 2 if loo and split == "test" else 1
+    if ranking_candidates < 1:
+        raise ValueError(f"ranking_candidates must be >= 1, got {ranking_candidates}")
+
+    models = [load_scored(checkpoint, data_dir)]
+    if compare is not None:
+        models.append(load_scored(compare, data_dir))
+        if models[1].name in (models[0].name, POPULARITY):
+            models[1].name += " (compare)"
+    columns = {"user_type": USER_TYPE_VALUES, "history_length": bucket_labels(HISTORY_EDGES),
+               "item_popularity": POPULARITY_VALUES, **{c: None for c in slice_columns}}
+    for scored in models:
+        check_features(scored, data_features, data_dir / "manifest.json")
+        scored.item_corpus = scored.model.item_corpus
+        scored.item_emb_ND = scored.model.item_embeddings(scored.item_corpus)
+        if not bool(torch.isfinite(scored.item_emb_ND).all()):
+            raise ValueError(f"{scored.source}: the model gives NaN / inf item embeddings: NaN scores")
+        (scored.retrieval, scored.retrieval_slices, scored.ranking,
+         scored.ranking_slices) = _new_accumulators(scored.tasks, columns)
+
+    data_corpus, train_counts_N = _read_item_counts(data_dir)
+    popularity = PopularityScorer(train_counts_N)
+    bucket_N = popularity_buckets(train_counts_N)
+    pop_acc = _new_accumulators(list(data_features.labels), columns)
+
+    # The whole history of every row (max_seq_len unbounded): the seen-item filter and the
+    # slices need it; each model's window is cut from it below.
+    loader_cfg = LoaderConfig(batch_size=batch_size, max_seq_len=2**31 - 1, mode="ranking",
+                              num_candidates=ranking_candidates, shuffle=False, drop_last=False)
+    loader = make_loader(split_dir, data_features, loader_cfg)
+    keys = list(data_features.sparse)
+    bar = tqdm(total=num_rows, unit="user", desc=f"eval {split}", file=sys.stderr, disable=not progress)
+    for batch in loader:
+        rows = _Rows.from_batch(batch, keys, split_dir)
+        _check_labels(rows, list(data_features.labels), split_dir)
+        target_pos_B, target_found_B = corpus_index(data_corpus, rows.target_B[data_features.item])
+        cand_pos_C, cand_found_C = corpus_index(data_corpus, rows.candidates[data_features.item])
+        n_before_B = rows.before_target_len_B.numpy()
+        user_slices = {"user_type": np.where(n_before_B < new_user_events, "new", "returning"),
+                       "history_length": length_buckets(n_before_B, HISTORY_EDGES)}
+        retrieval_slices = {**user_slices,
+                            "item_popularity": np.where(target_found_B.numpy(), bucket_N[target_pos_B.numpy()], "tail"),
+                            **{c: rows.target_B[c].numpy() for c in slice_columns}}
+        per_candidate = rows.candidate_len_B.numpy()
+        ranking_slices = {**{k: np.repeat(v, per_candidate) for k, v in user_slices.items()},
+                          "item_popularity": np.where(cand_found_C.numpy(), bucket_N[cand_pos_C.numpy()], "tail"),
+                          **{c: rows.candidates[c].numpy() for c in slice_columns}}
+        cand_users_C = torch.repeat_interleave(rows.user_ids_B, rows.candidate_len_B)
+
+        for scored in models:
+            ranks_B = _score_retrieval(scored, rows)
+            scored.retrieval.update_ranks(ranks_B)
+            scored.retrieval_slices.update(retrieval_slices, ranks_B)
+            if scored.ranking is not None:
+                probs_CL = _score_ranking(scored, rows)
+                labels_CL = rows.labels_CL[:, [data_features.labels.index(t) for t in scored.tasks]]
+                scored.ranking.update(cand_users_C, probs_CL, labels_CL)
+                scored.ranking_slices.update(ranking_slices, cand_users_C, probs_CL, labels_CL)
+
+        seen = rows.seen(data_features.item, data_corpus)
+        pop_ranks_B = _target_ranks(popularity.scores(batch.batch_size), rows.target_B[data_features.item],
+                                    data_corpus, seen)
+        pop_acc[0].update_ranks(pop_ranks_B)
+        pop_acc[1].update(retrieval_slices, pop_ranks_B)
+        if pop_acc[2] is not None:
+            # Items outside the corpus were never seen in training: below every known item.
+            pop_probs_C = torch.where(cand_found_C, popularity.candidate_probs(cand_pos_C), torch.zeros(()))
+            pop_probs_CL = pop_probs_C[:, None].expand(-1, len(data_features.labels))
+            pop_acc[2].update(cand_users_C, pop_probs_CL, rows.labels_CL)
+            pop_acc[3].update(ranking_slices, cand_users_C, pop_probs_CL, rows.labels_CL)
+        bar.update(batch.batch_size)
+    bar.close()
+
+    main = models[0]
+    report: dict[str, Any] = {"name": main.name,
+                              **_section(main.retrieval, main.retrieval_slices, main.ranking, main.ranking_slices)}
+    report["ci"] = headline_cis(main.retrieval, main.ranking, num_resamples=num_resamples, seed=seed)
+    report["baselines"] = {POPULARITY: _section(*pop_acc)}
+    report["comparisons"] = {POPULARITY: compare_models(main.retrieval, pop_acc[0], main.ranking, pop_acc[2],
+                                                        num_resamples=num_resamples, seed=seed)}
+    for other in models[1:]:
+        report["baselines"][other.name] = _section(other.retrieval, other.retrieval_slices, other.ranking,
+                                                   other.ranking_slices)
+        report["comparisons"][other.name] = compare_models(main.retrieval, other.retrieval, main.ranking,
+                                                           other.ranking, num_resamples=num_resamples, seed=seed)
+    report["config"] = {
+        "eval": {"checkpoint": str(checkpoint), "data": str(data_dir), "split": split,
+                 "compare": None if compare is None else str(compare), "seed": seed, "ks": list(EVAL_KS),
+                 "num_users": main.retrieval.count, "ranking_candidates": ranking_candidates,
+                 "new_user_events": new_user_events, "history_edges": list(HISTORY_EDGES),
+                 "slice_columns": slice_columns, "num_resamples": num_resamples,
+                 "corpus_items": len(main.item_corpus)},
+        "run": main.config,
+        **({"compare_run": models[1].config} if len(models) > 1 else {}),
+    }
+    report["data_manifest_checksums"] = _manifest_checksums(data_dir, manifest)
+    report["versions"] = collect_versions()
+    plots = (["calibration"] if report.get("ranking") else []) + ["history_length", "item_popularity", *slice_columns]
+    return write_report(out_dir, report, plots=plots)

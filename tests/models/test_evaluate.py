@@ -1,0 +1,230 @@
+"""`genrec eval` on a tiny trained model: report keys and plots, retrieval equal to a brute-force
+recomputation from the model's embeddings, determinism, self-comparison, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from genrec.data.prepare import prepare
+from genrec.data.synth import synthesize
+from genrec.models.config import JobConfig
+from genrec.models.config_loader import from_dict
+
+FEATURES = ["item_id", "action", "advertiser_id", "category_id"]
+
+
+def tiny_config(data: Path, out: Path, **train) -> JobConfig:
+    raw = {
+        "data": {
+            "path": str(data),
+            "features": {"sparse": FEATURES, "labels": ["click", "conversion"]},
+            "loader": {"batch_size": 8, "max_seq_len": 24, "mode": "ranking", "num_candidates": 2},
+        },
+        "sparse": {"tables": [
+            {"name": f, "embedding_dim": 16, "feature_names": [f], "learning_rate": 0.05,
+             "device_rows": 64, "host_rows": 128}
+            for f in FEATURES
+        ]},
+        "dense": {"embedding_dim": 16, "num_layers": 1, "num_heads": 2, "attention_dim": 8, "linear_dim": 8,
+                  "max_seq_len": 32, "dropout": 0.0},
+        "model": {"retrieval": True, "ranking": True, "num_negatives": 16, "min_target_action": None},
+        "train": {"out_dir": str(out), "max_steps": 6, "checkpoint_every": 6, "log_every": 1,
+                  "precision": "fp32", "tensorboard": False, "eval_max_users": 16, **train},
+    }
+    return from_dict(JobConfig, raw)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """(run dir, prepared data dir) of a model trained for a few steps."""
+    from genrec.models.trainer import run_training
+
+    root = tmp_path_factory.mktemp("evalrun")
+    synthesize(root / "logs", num_users=80, num_items=200, num_events=4000, seed=5, progress=False)
+    cfg = tiny_config(root / "data", root / "run")
+    prepare(root / "logs", root / "data", cfg.data.features, cfg.data.prepare.split, num_shards=2,
+            row_group_users=16, progress=False)
+    run_training(cfg)
+    return root / "run", root / "data"
+
+
+def _evaluate(run: Path, data: Path, out: Path, **kwargs) -> dict:
+    from genrec.models.evaluate import run_evaluation
+
+    kwargs.setdefault("num_resamples", 200)
+    out_dir = run_evaluation(run, data, "test", out_dir=out, progress=False, **kwargs)
+    assert out_dir == out
+    return json.loads((out / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def report(trained, tmp_path_factory) -> tuple[dict, Path]:
+    run, data = trained
+    out = tmp_path_factory.mktemp("report") / "eval"
+    return _evaluate(run, data, out), out
+
+
+def test_report_has_headline_keys_baseline_slices_and_plots(report):
+    got, out = report
+    for key in ("retrieval.hr@10", "retrieval.ndcg@10", "retrieval.hr@50", "retrieval.ndcg@200", "retrieval.mrr",
+                "ranking.click.auc", "ranking.click.gauc", "ranking.click.ne", "ranking.click.logloss",
+                "ranking.click.calibration", "ranking.conversion.auc", "ranking.click.reliability.0.count",
+                "ci.retrieval.hr@10.low", "ci.ranking.click.gauc.high", "baselines.popularity.retrieval.mrr",
+                "baselines.popularity.ranking.click.auc", "comparisons.popularity.retrieval.ndcg@10.p_value",
+                "slices.retrieval.user_type.new.count", "slices.retrieval.history_length.20-49.hr@10",
+                "slices.retrieval.item_popularity.tail.count", "slices.ranking.user_type.returning.click.auc"):
+        assert key in got, key
+    num_users = got["retrieval.count"]
+    assert num_users == got["config"]["eval"]["num_users"] > 0
+    for column in ("user_type", "history_length", "item_popularity", "category_id"):
+        assert sum(got[k] for k in got if k.startswith(f"slices.retrieval.{column}.") and k.endswith(".count")) \
+            == num_users, column
+    # The leave-one-out test split scores its two held-out events per user, so GAUC exists.
+    assert got["ranking.click.count"] == 2 * num_users
+    assert got["ranking.click.gauc"] is not None and got["ranking.click.gauc_users"] > 0
+    assert 0.0 <= got["retrieval.hr@10"] <= got["retrieval.hr@50"] <= got["retrieval.hr@200"] <= 1.0
+    assert got["ci.retrieval.mrr.low"] <= got["retrieval.mrr"] <= got["ci.retrieval.mrr.high"]
+    assert got["data_manifest_checksums"]["manifest.json"].startswith("sha256:")
+    assert any(k.startswith("test/") for k in got["data_manifest_checksums"])
+    assert got["config"]["run"]["model"]["ranking"] is True and "torch" in got["versions"]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["calibration.png", "category_id.png", "history_length.png", "item_popularity.png",
+                     "report.json", "report.md"]
+    md = (out / "report.md").read_text()
+    assert "| metric | run | 95% CI | popularity |" in md and "## run minus popularity" in md
+
+
+def _brute_force_ranks(run: Path, data: Path, users: int) -> dict[int, int]:
+    """Each user's target rank from scratch: read the test rows with pyarrow, score every
+    corpus item with the model's own embeddings, drop seen items, count items scoring >= the
+    target. Shares no code with the evaluator beyond the model."""
+    from genrec.data.batch import Batch
+    from genrec.models.inference import load_trained
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    cfg, model = load_trained(run)
+    corpus = model.item_corpus.tolist()
+    item_emb = model.item_embeddings(model.item_corpus)
+    table = pq.read_table(data / "test").to_pylist()
+    table.sort(key=lambda r: r["user_id"])
+    out = {}
+    for row in table[:users]:
+        hist = {k: row[k][:-1] for k in FEATURES}
+        window = {k: v[-cfg.data.loader.max_seq_len:] for k, v in hist.items()}
+        n = len(window["item_id"])
+        batch = Batch(user_ids_B=torch.tensor([row["user_id"]]),
+                      history=KeyedJaggedTensor(keys=FEATURES, values=torch.tensor(sum((window[k] for k in FEATURES), [])),
+                                                lengths=torch.tensor([n] * len(FEATURES))),
+                      timestamps_T=torch.tensor(row["ts"][:-1][-n:]), history_lengths_B=torch.tensor([n]))
+        scores = (model.user_embeddings(batch) @ item_emb.T)[0].tolist()
+        target = row["item_id"][-1]
+        if target not in corpus:
+            out[row["user_id"]] = len(corpus)
+            continue
+        t = scores[corpus.index(target)]
+        seen = set(hist["item_id"]) - {target}
+        out[row["user_id"]] = sum(1 for i, s in zip(corpus, scores) if i != target and i not in seen and s >= t)
+    return out
+
+
+def test_retrieval_equals_brute_force_over_model_embeddings(trained, tmp_path):
+    from genrec.models.evaluate import load_scored, _Rows, _score_retrieval
+    from genrec.data.loader import LoaderConfig, make_loader
+    from genrec.data.prepare import load_manifest
+    from genrec.data.config import FeatureSpec
+
+    run, data = trained
+    expected = _brute_force_ranks(run, data, users=12)
+    scored = load_scored(run, data)
+    scored.item_corpus = scored.model.item_corpus
+    scored.item_emb_ND = scored.model.item_embeddings(scored.item_corpus)
+    spec = FeatureSpec(**load_manifest(data)["features"])
+    loader = make_loader(data / "test", spec, LoaderConfig(batch_size=16, max_seq_len=2**31 - 1, mode="ranking",
+                                                           num_candidates=2, shuffle=False))
+    got = {}
+    for batch in loader:
+        ranks = _score_retrieval(scored, _Rows.from_batch(batch, spec.sparse, data / "test"))
+        got.update(zip(batch.user_ids_B.tolist(), ranks.tolist()))
+    assert {u: got[u] for u in expected} == expected
+    # ... and the report's figures are the means of exactly these per-user ranks.
+    rep = _evaluate(run, data, tmp_path / "eval", slice_columns=[])
+    ranks = np.array(list(got.values()))
+    assert rep["retrieval.count"] == len(ranks)
+    assert rep["retrieval.hr@10"] == pytest.approx(float((ranks < 10).mean()))
+    assert rep["retrieval.mrr"] == pytest.approx(float((1.0 / (ranks + 1)).mean()))
+    assert rep["retrieval.ndcg@10"] == pytest.approx(float(np.where(ranks < 10, 1 / np.log2(ranks + 2), 0).mean()))
+
+
+def test_deterministic_for_a_seed_and_self_comparison_is_zero(trained, report, tmp_path):
+    run, data = trained
+    first, _ = report
+    second = _evaluate(run, data, tmp_path / "again", compare=run)
+    figures = {k: v for k, v in first.items() if k not in ("config", "versions") and not k.startswith("comparisons.")}
+    assert figures == {k: second[k] for k in figures}
+    cmp = {k: v for k, v in second.items() if k.startswith("comparisons.run (compare).")}
+    assert cmp and all(v == 0.0 for k, v in cmp.items() if k.endswith((".diff", ".low", ".high")))
+    assert second["baselines.run (compare).retrieval.mrr"] == second["retrieval.mrr"]
+    other_seed = _evaluate(run, data, tmp_path / "seed1", seed=1)
+    assert other_seed["retrieval.mrr"] == first["retrieval.mrr"]
+    assert other_seed["ci.retrieval.mrr.low"] != first["ci.retrieval.mrr.low"]
+
+
+def _copy_data(data: Path, to: Path) -> Path:
+    shutil.copytree(data, to)
+    return to
+
+
+def _rewrite_split(split_dir: Path, edit) -> None:
+    for path in sorted(split_dir.glob("*.parquet")):
+        table = pq.read_table(path)
+        pq.write_table(edit(table), path)
+
+
+def _bad_labels(table: pa.Table) -> pa.Table:
+    clicks = table.column("click").to_pylist()
+    clicks[0] = [2] * len(clicks[0])
+    return table.set_column(table.schema.get_field_index("click"), "click", pa.array(clicks, pa.list_(pa.int8())))
+
+
+@pytest.mark.parametrize("case", ["features", "empty", "labels", "nan"])
+def test_bad_input_is_a_value_error_and_writes_no_report(trained, tmp_path, case, monkeypatch):
+    from genrec.models.evaluate import run_evaluation
+
+    run, data = trained
+    match = {"features": "feature spec does not match", "empty": "empty", "labels": "must be 0 or 1",
+             "nan": "NaN"}[case]
+    if case == "features":
+        data = _copy_data(data, tmp_path / "data")
+        manifest = json.loads((data / "manifest.json").read_text())
+        manifest["features"]["sparse"] = [c for c in manifest["features"]["sparse"] if c != "advertiser_id"]
+        (data / "manifest.json").write_text(json.dumps(manifest))
+    elif case == "empty":
+        data = _copy_data(data, tmp_path / "data")
+        _rewrite_split(data / "test", lambda t: t.slice(0, 0))
+    elif case == "labels":
+        data = _copy_data(data, tmp_path / "data")
+        _rewrite_split(data / "test", _bad_labels)
+    else:
+        from genrec.models.model import GenerativeRecommender
+
+        real = GenerativeRecommender.user_embeddings
+
+        def nan_user_embeddings(self, batch):
+            out = real(self, batch)
+            out[0, 0] = float("nan")
+            return out
+
+        monkeypatch.setattr(GenerativeRecommender, "user_embeddings", nan_user_embeddings)
+    out = tmp_path / "eval"
+    with pytest.raises(ValueError, match=match):
+        run_evaluation(run, data, "test", out_dir=out, progress=False, num_resamples=10)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".eval")]
