@@ -189,6 +189,13 @@ def _export_program(tower: torch.nn.Module, dim: int, path: Path) -> dict[str, A
     timestamps_T = torch.arange(num_history + num_candidates, dtype=torch.int64) * 60
     num_targets_B = torch.tensor([num_candidates])
     args = (values_TD, offsets_B1, timestamps_T, num_targets_B)
+    # Trace the plain-PyTorch reference kernel (the specification): the fast kernels call
+    # into C through raw data pointers, which no tracer can follow. Same weights, same math.
+    from genrec.dense.tower import build_tower
+
+    reference = build_tower(dataclasses.replace(tower.cfg, kernel="reference")).eval()
+    reference.load_state_dict(tower.state_dict())
+    tower = reference
     # draft_export specializes the data-dependent jagged bookkeeping to this layout (and logs
     # each specialization loudly); the program keeps runtime asserts for it.
     noisy = [logging.getLogger(n) for n in ("torch.fx.experimental.symbolic_shapes", "torch.export._draft_export")]
@@ -204,7 +211,7 @@ def _export_program(tower: torch.nn.Module, dim: int, path: Path) -> dict[str, A
     torch.export.save(program, str(path))
     return {"file": PROGRAM_FILE, "inputs": ["values_TD", "offsets_B1", "timestamps_T", "num_targets_B"],
             "example_offsets_B1": offsets_B1.tolist(), "example_num_targets_B": num_targets_B.tolist(),
-            "traced_by": "torch.export.draft_export"}
+            "traced_by": "torch.export.draft_export", "kernel": "reference"}
 
 
 # ---------------------------------------------------------------------- export

@@ -54,8 +54,10 @@ class RankBody(BaseModel):
     actions: list[int]
     timestamps: list[int]
     features: dict[str, list[int]] = Field(default_factory=dict)
-    k: int = Field(default=100, ge=1)
-    n: int = Field(default=10, ge=1)
+    k: int | None = Field(default=None, ge=1)
+    """Items retrieved and ranked; default min(100, the server's max_k)."""
+    n: int | None = Field(default=None, ge=1)
+    """Items returned; default min(10, k)."""
     exclude_seen: bool = False
     allowed_advertisers: list[int] | None = None
     request_time: int | None = None
@@ -168,7 +170,10 @@ def create_app(artifact_dir: str | Path, *, serving_cfg: ServingConfig | None = 
 
     @app.post("/v1/rank")
     async def rank(body: RankBody):
-        req = RankRequest(**body.model_dump())
+        fields = body.model_dump()
+        fields["k"] = fields["k"] or min(100, batcher.ranker.max_k)
+        fields["n"] = fields["n"] or min(10, fields["k"])
+        req = RankRequest(**fields)
         try:
             batcher.ranker.check(req)
         except RequestError as e:

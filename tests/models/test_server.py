@@ -171,3 +171,11 @@ def test_concurrent_requests_are_batched(server):
     assert statuses == [200] * 18
     assert sum1 - sum0 == 18  # every request went through the batcher once
     assert count1 - count0 < 18  # ... and some shared a batch
+
+
+def test_k_and_n_default_to_the_server_limits(server):
+    body = {key: v for key, v in BASE.items() if key not in ("k", "n")}
+    with httpx.Client(base_url=server["url"], timeout=30) as c:
+        r = c.post("/v1/rank", json=body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["items"]) == 10
