@@ -10,8 +10,11 @@ measured side by side in the same process (the machine is shared and noisy).
     ssd_read_rows_per_s    random-slot batch gathers from the SSD tier; number = dim 64,
     ssd_write_rows_per_s   `*_by_dim` = {"64": .., "128": ..}. The slabs are memory-mapped,
                            so these include the page cache (warm reads / buffered writes).
-    scale                  a materialization run (full: 50M rows dim 64; quick: 400k):
-                           rows, seconds, RSS, disk bytes, per-tier hit rates of a Zipf phase
+    scale                  a materialization run (full: 50M rows dim 64; quick: 150k):
+                           rows, seconds, RSS (anon = heap, file = mapped SSD slabs), disk
+                           bytes, per-tier hit rates of a Zipf phase. Hits count unique ids
+                           per step (a hot id counts once per batch), so they understate
+                           the per-lookup hit rate.
 """
 
 from __future__ import annotations
