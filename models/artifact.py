@@ -23,9 +23,10 @@ Worked example (a table of 3 learned ids, int8):
 
 Why the tower is stored twice: the `torch.export` program (`tower.pt2`) is the portable,
 framework-independent record of the full forward (history + candidates under the
-target-aware mask). It is traced on one example jagged layout by `torch.export.draft_export`
-(the tower's jagged bookkeeping is data-dependent), so it carries runtime asserts that the
-call has that layout. The serving path does not run it: it rebuilds the tower from the
+target-aware mask), traced with the tower's plain-PyTorch reference kernel (the fast kernels
+call C through raw pointers) on one example jagged layout by `torch.export.draft_export` (the
+tower's jagged bookkeeping is data-dependent), so it carries runtime asserts that the call has
+that layout; `load_program` returns it. The serving path does not run it: it rebuilds the tower from the
 manifest's `TowerConfig` plus `dense.safetensors` (no pickle anywhere) so that it can use the
 tower's per-layer key/value cache (`encode_history` / `score_targets`, M-FALCON) on any
 history length. Loading never unpickles: JSON + safetensors only, after checksums pass.
@@ -359,6 +360,11 @@ def export_artifact(
             "files": files,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        # mkdtemp makes the directory private; the artifact is meant to be read by servers.
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in [tmp, *tmp.rglob("*")]:
+            os.chmod(path, (0o755 if path.is_dir() else 0o644) & ~umask)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
