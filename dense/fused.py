@@ -9,6 +9,7 @@ chunked kernel uses its plain PyTorch tile instead (same results, slower).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import subprocess
@@ -23,8 +24,9 @@ _lib: ctypes.CDLL | None | bool = False  # False: not tried yet
 
 class TileArgs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("G", "H", "bq", "K", "N", "i0", "P", "NB")] + [
-        ("tidx", ctypes.c_void_p), ("ts_w", ctypes.c_void_p), ("pos_w", ctypes.c_void_p),
-        ("pos", ctypes.c_void_p), ("hist", ctypes.c_void_p), ("alpha", ctypes.c_float)]
+        ("ts", ctypes.c_void_p), ("thr", ctypes.c_void_p), ("ts_w", ctypes.c_void_p),
+        ("pos_w", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("hist", ctypes.c_void_p),
+        ("alpha", ctypes.c_float), ("inv_divisor", ctypes.c_float)]
 
 
 def library() -> ctypes.CDLL | None:
@@ -35,7 +37,8 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("GENREC_DENSE_FUSED", "1") == "0":
         return None
     src = _SRC.read_bytes()
-    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC",
+             "-shared"]
     key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "genrec"
     so = cache / f"hstu_tile_{key}.so"
@@ -73,10 +76,34 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
-def tile_args(*, G, H, bq, K, N, i0, P, NB, tidx, ts_w, pos_w, pos, hist, alpha) -> TileArgs:
+def tile_args(*, G, H, bq, K, N, i0, P, NB, ts, thr, ts_w, pos_w, pos, hist, alpha,
+              divisor) -> TileArgs:
     # Every tensor passed here must stay alive (and contiguous) for the duration of the call.
-    return TileArgs(G, H, bq, K, N, i0, P, NB, _ptr(tidx), _ptr(ts_w), _ptr(pos_w), _ptr(pos),
-                    _ptr(hist), alpha)
+    return TileArgs(G, H, bq, K, N, i0, P, NB, _ptr(ts), _ptr(thr), _ptr(ts_w), _ptr(pos_w),
+                    _ptr(pos), _ptr(hist), alpha, 1.0 / divisor)
+
+
+@functools.lru_cache(maxsize=8)
+def time_thresholds(num_buckets: int, divisor: float) -> torch.Tensor:
+    """int64 [num_buckets + 2]: entry b is the smallest |dt| >= 1 whose bucket is >= b under
+    the reference formula (found by bisection with that very formula, so the C side agrees
+    with PyTorch bit for bit); entry 0 is 0, unreachable buckets and entry NB + 1 int64 max."""
+    from .kernels import time_buckets
+
+    target = torch.arange(1, num_buckets + 1)
+    lo = torch.ones(num_buckets, dtype=torch.long)            # bucket(lo) < target (or lo = 1)
+    hi = torch.full((num_buckets,), 2**62, dtype=torch.long)  # candidate answer
+    reachable = time_buckets(hi, num_buckets, divisor) >= target
+    for _ in range(64):
+        mid = (lo + hi) // 2
+        ok = time_buckets(mid, num_buckets, divisor) >= target
+        hi = torch.where(ok, mid, hi)
+        lo = torch.where(ok, lo, mid + 1)
+        if bool((lo >= hi).all()):
+            break
+    thr = torch.where(reachable, hi, torch.full_like(hi, 2**63 - 1))
+    # Sentinels so the C side can look at thr[b] and thr[b + 1] for every b in [0, NB].
+    return torch.cat([torch.zeros(1, dtype=torch.long), thr, torch.full((1,), 2**63 - 1)])
 
 
 def tile_forward(args: TileArgs, s: torch.Tensor, a: torch.Tensor) -> None:

@@ -189,14 +189,16 @@ def _fused_state(q, k, v, ts_w, pos_w, bucket, p):
         return None
     G, H, N, _ = q.shape
     keep = dict(  # held by the closure so the raw pointers stay valid
-        tidx=None if ts_w is None else _time_index(bucket, p),
+        ts=None if ts_w is None else bucket.timestamps_GN.contiguous(),
+        thr=_fused.time_thresholds(p.num_time_buckets, p.time_bucket_divisor),
         ts_w=None if ts_w is None else ts_w.detach().float().contiguous(),
         pos_w=None if pos_w is None else pos_w.detach().float().contiguous(),
         pos=bucket.positions_GN.contiguous(), hist=bucket.history_lengths_G.contiguous())
 
     def args(i0, i1):
         return _fused.tile_args(G=G, H=H, bq=i1 - i0, K=i1, N=N, i0=i0, P=p.max_seq_len,
-                                NB=p.num_time_buckets, alpha=p.alpha, **keep)
+                                NB=p.num_time_buckets, alpha=p.alpha,
+                                divisor=p.time_bucket_divisor, **keep)
     return args
 
 

@@ -23,76 +23,134 @@ static inline void st(void *p, int64_t k, float v, int bf) { if (bf) ((uint16_t 
 
 typedef struct {
   int64_t G, H, bq, K, N, i0, P, NB;
-  const uint8_t *tidx;   /* [G, N, N] or NULL */
+  const int64_t *ts;     /* [G, N] timestamps, or NULL when there is no time bias */
+  const int64_t *thr;    /* [NB]: thr[b - 1] = smallest |dt| whose bucket is >= b */
   const float *ts_w;     /* [NB + 1] or NULL */
   const float *pos_w;    /* [P] or NULL */
   const int64_t *pos;    /* [G, N] */
   const int64_t *hist;   /* [G] */
   float alpha;
+  float inv_divisor;
 } tile_args;
 
-static inline float bias_of(const tile_args *t, int64_t g, int64_t i, int64_t j, int *vis, int64_t *rel, int *tb) {
-  int64_t h = t->hist[g];
-  *vis = (j <= i) && (j < h || j == i);
-  float b = 0.f;
-  if (t->pos_w) {
-    int64_t r = t->pos[g * t->N + i] - t->pos[g * t->N + j];
-    r = r < 0 ? 0 : (r > t->P - 1 ? t->P - 1 : r);
-    *rel = r; b += t->pos_w[r];
+/* Per (row, query) bias over all keys, shared by the heads: brow = rab, mrow = 0/1 mask,
+ * rrow / trow = position and time bucket indices (for the bias gradients).
+ * The time bucket matches the PyTorch reference exactly: logf gives a guess and the integer
+ * thresholds thr[b] = smallest |dt| of bucket >= b (thr[0] = 0, thr[NB + 1] = INT64_MAX,
+ * computed in Python with the reference formula) correct it by one step either way. */
+static void row_bias(const tile_args *t, int64_t g, int64_t i, float *brow, float *mrow,
+                     int32_t *rrow, int32_t *trow) {
+  const int64_t K = t->K, N = t->N, h = t->hist[g];
+  const int64_t *pos = t->pos + g * N;
+  for (int64_t j = 0; j < K; ++j) {
+    int vis = (j <= i) & ((j < h) | (j == i));
+    mrow[j] = vis ? 1.f : 0.f;
+    brow[j] = 0.f;
   }
-  if (t->tidx) { *tb = t->tidx[(g * t->N + i) * t->N + j]; b += t->ts_w[*tb]; }
-  return b;
+  if (t->pos_w) {
+    const int64_t pi = pos[i];
+#pragma omp simd
+    for (int64_t j = 0; j < K; ++j) {
+      int64_t r = pi - pos[j];
+      r = r < 0 ? 0 : (r > t->P - 1 ? t->P - 1 : r);
+      rrow[j] = (int32_t)r;
+      brow[j] += t->pos_w[r];
+    }
+  }
+  if (t->ts) {
+    const int64_t *ts = t->ts + g * N;
+    const int64_t ti = ts[i];
+    const int64_t *thr = t->thr;
+#pragma omp simd
+    for (int64_t j = 0; j < K; ++j) {
+      int64_t x = ti - ts[j];
+      x = x < 0 ? -x : x;
+      x = x < 1 ? 1 : x;
+      int b = (int)(logf((float)x) * t->inv_divisor);
+      b = b < 0 ? 0 : (b > t->NB ? (int)t->NB : b);
+      b += (x >= thr[b + 1]);
+      b -= (x < thr[b]);
+      trow[j] = b;
+      brow[j] += t->ts_w[b];
+    }
+  }
+}
+
+#define ROW_BUFFERS                                                   \
+  float *brow = malloc(sizeof(float) * (size_t)(K + 1));              \
+  float *mrow = malloc(sizeof(float) * (size_t)(K + 1));              \
+  float *drow = malloc(sizeof(float) * (size_t)(K + 1));              \
+  float *xrow = malloc(sizeof(float) * (size_t)(K + 1));              \
+  int32_t *rrow = malloc(sizeof(int32_t) * (size_t)(K + 1));          \
+  int32_t *trow = malloc(sizeof(int32_t) * (size_t)(K + 1));
+#define FREE_ROW_BUFFERS free(brow); free(mrow); free(drow); free(xrow); free(rrow); free(trow);
+
+static inline void load_row(const void *p, int64_t base, int bf, float *out, int64_t K) {
+  if (bf) { const uint16_t *q = (const uint16_t *)p + base; for (int64_t j = 0; j < K; ++j) out[j] = bf2f(q[j]); }
+  else memcpy(out, (const float *)p + base, sizeof(float) * (size_t)K);
+}
+static inline void store_row(void *p, int64_t base, int bf, const float *in, int64_t K) {
+  if (bf) { uint16_t *q = (uint16_t *)p + base; for (int64_t j = 0; j < K; ++j) q[j] = f2bf(in[j]); }
+  else memcpy((float *)p + base, in, sizeof(float) * (size_t)K);
 }
 
 void hstu_tile_fwd(const tile_args *t, const void *s, int s_bf, void *a, int a_bf) {
   const int64_t K = t->K;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t g = 0; g < t->G; ++g)
-    for (int64_t r = 0; r < t->bq; ++r) {
-      int64_t i = t->i0 + r;
-      float brow[K > 0 ? K : 1]; unsigned char vrow[K > 0 ? K : 1];
-      for (int64_t j = 0; j < K; ++j) { int vis; int64_t rel; int tb; brow[j] = bias_of(t, g, i, j, &vis, &rel, &tb); vrow[j] = (unsigned char)vis; }
-      for (int64_t hh = 0; hh < t->H; ++hh) {
-        int64_t base = ((g * t->H + hh) * t->bq + r) * K;
-        for (int64_t j = 0; j < K; ++j) {
-          float x = t->alpha * ld(s, base + j, s_bf) + brow[j];
-          float y = vrow[j] ? x / (1.f + expf(-x)) : 0.f;
-          st(a, base + j, y, a_bf);
+  const float alpha = t->alpha;
+#pragma omp parallel
+  {
+    ROW_BUFFERS
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t g = 0; g < t->G; ++g)
+      for (int64_t r = 0; r < t->bq; ++r) {
+        row_bias(t, g, t->i0 + r, brow, mrow, rrow, trow);
+        for (int64_t hh = 0; hh < t->H; ++hh) {
+          int64_t base = ((g * t->H + hh) * t->bq + r) * K;
+          load_row(s, base, s_bf, xrow, K);
+#pragma omp simd
+          for (int64_t j = 0; j < K; ++j) {
+            float x = alpha * xrow[j] + brow[j];
+            xrow[j] = mrow[j] * (x / (1.f + expf(fminf(-x, 80.f))));  /* finite under fast-math */
+          }
+          store_row(a, base, a_bf, xrow, K);
         }
       }
-    }
+    FREE_ROW_BUFFERS
+  }
 }
 
 /* d_ts / d_pos: float64 accumulators [NB + 1] / [P], added to (not overwritten). */
 void hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, int da_bf,
                    void *a, int a_bf, void *ds, int ds_bf, double *d_ts, double *d_pos) {
   const int64_t K = t->K;
+  const float alpha = t->alpha;
 #pragma omp parallel
   {
-    double *lts = t->tidx ? calloc(t->NB + 1, sizeof(double)) : NULL;
-    double *lpos = t->pos_w ? calloc(t->P, sizeof(double)) : NULL;
+    ROW_BUFFERS
+    float *grow = malloc(sizeof(float) * (size_t)(K + 1));
+    double *lts = t->ts ? calloc((size_t)t->NB + 1, sizeof(double)) : NULL;
+    double *lpos = t->pos_w ? calloc((size_t)t->P, sizeof(double)) : NULL;
 #pragma omp for collapse(2) schedule(static)
     for (int64_t g = 0; g < t->G; ++g)
       for (int64_t r = 0; r < t->bq; ++r) {
-        int64_t i = t->i0 + r;
-        float brow[K > 0 ? K : 1], drow[K > 0 ? K : 1]; unsigned char vrow[K > 0 ? K : 1];
-        int64_t rrow[K > 0 ? K : 1]; int trow[K > 0 ? K : 1];
-        for (int64_t j = 0; j < K; ++j) {
-          int vis; int64_t rel = 0; int tb = 0;
-          brow[j] = bias_of(t, g, i, j, &vis, &rel, &tb);
-          vrow[j] = (unsigned char)vis; rrow[j] = rel; trow[j] = tb; drow[j] = 0.f;
-        }
+        row_bias(t, g, t->i0 + r, brow, mrow, rrow, trow);
+        for (int64_t j = 0; j < K; ++j) drow[j] = 0.f;
         for (int64_t hh = 0; hh < t->H; ++hh) {
           int64_t base = ((g * t->H + hh) * t->bq + r) * K;
+          load_row(s, base, s_bf, xrow, K);
+          load_row(da, base, da_bf, grow, K);
+#pragma omp simd
           for (int64_t j = 0; j < K; ++j) {
-            float x = t->alpha * ld(s, base + j, s_bf) + brow[j];
-            float sg = 1.f / (1.f + expf(-x));
-            float y = vrow[j] ? x * sg : 0.f;
-            float d = vrow[j] ? ld(da, base + j, da_bf) * sg * (1.f + x * (1.f - sg)) : 0.f;
-            st(a, base + j, y, a_bf);
-            st(ds, base + j, d, ds_bf);
+            float x = alpha * xrow[j] + brow[j];
+            float sg = 1.f / (1.f + expf(fminf(-x, 80.f)));
+            float m = mrow[j];
+            float d = m * grow[j] * sg * (1.f + x * (1.f - sg));
+            xrow[j] = m * x * sg;
+            grow[j] = d;
             drow[j] += d;
           }
+          store_row(a, base, a_bf, xrow, K);
+          store_row(ds, base, ds_bf, grow, K);
         }
         if (lts) for (int64_t j = 0; j < K; ++j) lts[trow[j]] += drow[j];
         if (lpos) for (int64_t j = 0; j < K; ++j) lpos[rrow[j]] += drow[j];
@@ -102,6 +160,7 @@ void hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, 
       if (lts) for (int64_t b = 0; b <= t->NB; ++b) d_ts[b] += lts[b];
       if (lpos) for (int64_t b = 0; b < t->P; ++b) d_pos[b] += lpos[b];
     }
-    free(lts); free(lpos);
+    free(lts); free(lpos); free(grow);
+    FREE_ROW_BUFFERS
   }
 }
