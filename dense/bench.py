@@ -1,0 +1,168 @@
+"""Tower benchmarks: `run(quick) -> dict` (called by `genrec bench dense`).
+
+Every comparison is measured side by side in one process (the machine is shared, so
+ratios mean more than absolute numbers). All training numbers are forward + backward under
+bf16 autocast with fp32 master weights, on skewed-length jagged batches.
+
+Memory is "activation bytes": the bytes of distinct tensors autograd saves for backward
+(counted with saved-tensor hooks), which is what checkpointing and chunking reduce; CPU
+PyTorch has no allocator peak counter.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from .config import TowerConfig
+from .precision import autocast
+from .tower import build_tower
+
+
+def _log(msg: str) -> None:
+    print(f"[bench dense] {msg}", file=sys.stderr, flush=True)
+
+
+def _cfg(kind: str, max_len: int, **kw) -> TowerConfig:
+    base = dict(kind=kind, embedding_dim=64, num_layers=2, num_heads=2, attention_dim=32,
+                linear_dim=32, dropout=0.0, max_seq_len=max_len)
+    base.update(kw)
+    return TowerConfig(**base)
+
+
+def _skewed_batch(max_len: int, num_tokens: int, seed: int, mean_frac: float = 0.25):
+    """Rows with lengths uniform in [1, 2 * mean_frac * max_len] (mean about mean_frac * max),
+    one row at max_len, until about num_tokens tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [max_len]
+    while sum(lengths) < num_tokens:
+        lengths.append(int(torch.randint(1, max(2, int(2 * mean_frac * max_len)) + 1, (1,), generator=g)))
+    lengths_B = torch.tensor(lengths)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths_B.cumsum(0)])
+    T = int(offsets[-1])
+    ts = torch.cumsum(torch.randint(0, 3600, (T,), generator=g), 0)
+    return torch.randn(T, 64, generator=g), offsets, ts
+
+
+def _train_step(tower, x, off, ts):
+    with autocast("bf16"):
+        y = tower(x, off, ts)
+    y.float().square().mean().backward()
+
+
+def _time(fn, reps: int) -> float:
+    fn()  # warm-up (also builds the fused tile on first use)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _activation_bytes(fn) -> int:
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.device.type == "cpu" and t.untyped_storage().nbytes():
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _tokens_per_s(cfg: TowerConfig, batch, reps: int) -> float:
+    tower = build_tower(cfg)
+    x, off, ts = batch
+    x = x.requires_grad_()
+    return x.shape[0] / _time(lambda: _train_step(tower, x, off, ts), reps)
+
+
+def run(quick: bool) -> dict:
+    torch.manual_seed(0)
+    reps = 1 if quick else 3
+    out: dict = {"threads": torch.get_num_threads(), "precision": "bf16 autocast, fp32 weights"}
+
+    lengths = [256, 1024, 4096] + ([] if quick else [8192])
+    for n in lengths:
+        tokens = (2 * n if quick else 8 * n)
+        batch = _skewed_batch(n, tokens, seed=n)
+        h = _tokens_per_s(_cfg("hstu", n), batch, reps)
+        t = _tokens_per_s(_cfg("transformer", n), batch, reps)
+        out[f"hstu_tokens_per_s_{n}"] = round(h)
+        out[f"transformer_tokens_per_s_{n}"] = round(t)
+        out[f"hstu_vs_transformer_{n}"] = h / t
+        _log(f"len {n}: {batch[0].shape[0]} tokens, HSTU {h:.0f} tok/s, Transformer {t:.0f} tok/s")
+
+    # Jagged (length buckets) vs padded (one bucket padded to the longest row), mean = max/4.
+    n = 1024
+    batch = _skewed_batch(n, 4 * n if quick else 16 * n, seed=7)
+    jag = _tokens_per_s(_cfg("hstu", n), batch, reps)
+    pad = _tokens_per_s(_cfg("hstu", n, bucket_min_fill=1e-9), batch, reps)
+    out["jagged_vs_padded"] = jag / pad
+    _log(f"jagged {jag:.0f} tok/s vs padded {pad:.0f} tok/s")
+
+    # Activation checkpointing: activation bytes saved for backward, with / without.
+    n = 1024
+    x, off, ts = _skewed_batch(n, 4 * n, seed=8)
+    mem = {}
+    for ckpt in (False, True):
+        tower = build_tower(_cfg("hstu", n, activation_checkpointing=ckpt, num_layers=4))
+        xr = x.clone().requires_grad_()
+        mem[ckpt] = _activation_bytes(lambda: _train_step(tower, xr, off, ts))
+    out["activation_bytes_no_checkpointing"] = mem[False]
+    out["activation_bytes_checkpointing"] = mem[True]
+    out["checkpointing_memory_ratio"] = mem[True] / mem[False]
+    for kind in ("hstu", "transformer"):
+        tower = build_tower(_cfg(kind, n))
+        xr = x.clone().requires_grad_()
+        out[f"activation_bytes_{kind}_1024"] = _activation_bytes(lambda: _train_step(tower, xr, off, ts))
+    _log(f"checkpointing activation bytes ratio {out['checkpointing_memory_ratio']:.3f}")
+
+    # KV cache (M-FALCON) vs full recompute: 1,000 history events, 16..1,024 candidates.
+    hist_len = 1000
+    counts = [16, 256, 1024] if quick else [16, 64, 256, 1024]
+    tower = build_tower(_cfg("hstu", hist_len + max(counts), target_micro_batch=256)).eval()
+    g = torch.Generator().manual_seed(9)
+    hist = torch.randn(hist_len, 64, generator=g)
+    hist_ts = torch.cumsum(torch.randint(0, 3600, (hist_len,), generator=g), 0)
+    for c in counts:
+        cand = torch.randn(c, 64, generator=g)
+        cand_ts = hist_ts[-1] + torch.arange(c)
+        full = torch.cat([hist, cand])
+        full_ts = torch.cat([hist_ts, cand_ts])
+
+        def recompute():
+            with torch.no_grad(), autocast("bf16"):
+                tower(full, torch.tensor([0, hist_len + c]), full_ts, torch.tensor([c]))
+
+        def cached():
+            with autocast("bf16"):
+                _, cache = tower.encode_history(hist, torch.tensor([0, hist_len]), hist_ts)
+                tower.score_targets(cache, cand, torch.tensor([0, c]), cand_ts)
+
+        with autocast("bf16"):
+            _, cache = tower.encode_history(hist, torch.tensor([0, hist_len]), hist_ts)
+
+        def score_only():
+            with autocast("bf16"):
+                tower.score_targets(cache, cand, torch.tensor([0, c]), cand_ts)
+
+        t_full, t_cached, t_score = _time(recompute, reps), _time(cached, reps), _time(score_only, reps)
+        out[f"kv_cache_full_recompute_s_{c}"] = t_full
+        out[f"kv_cache_encode_plus_score_s_{c}"] = t_cached
+        out[f"kv_cache_score_only_s_{c}"] = t_score
+        _log(f"{c} candidates: full {t_full * 1e3:.1f} ms, encode+score {t_cached * 1e3:.1f} ms, "
+             f"score only {t_score * 1e3:.1f} ms")
+    # Serving encodes the history once per request and scores candidate micro-batches against
+    # it; without the cache every micro-batch of 256 re-encodes the history with its candidates.
+    c = 1024
+    per_mb = out["kv_cache_full_recompute_s_256"] * (c // 256)
+    out["kv_cache_speedup_1024"] = per_mb / out[f"kv_cache_encode_plus_score_s_{c}"]
+    out["kv_cache_speedup_vs_single_forward_1024"] = (out[f"kv_cache_full_recompute_s_{c}"]
+                                                      / out[f"kv_cache_encode_plus_score_s_{c}"])
+    return out
