@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-wait-ms", type=float, default=2.0)
-    p.add_argument("--max-k", type=int, default=None)
+    p.add_argument("--max-k", type=int, default=1000, help="largest K a request may ask for")
     p.add_argument("--max-history", type=int, default=None)
     args = p.parse_args(argv)
     serve(args.artifact, args.host, args.port, threads=args.threads, max_batch_size=args.max_batch_size,

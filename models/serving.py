@@ -52,14 +52,15 @@ RETRIEVAL = "retrieval"
 
 @dataclass(kw_only=True)
 class ServingConfig:
-    max_k: int | None = None
-    """Largest K (retrieved candidates) a request may ask for. None: half the tower's
-    max_seq_len, at most 1000 (history + K must fit the tower)."""
+    max_k: int = 1000
+    """Largest K (retrieved candidates) a request may ask for. K is not bounded by the tower's
+    max_seq_len: under the target-aware mask a candidate sees the history and itself only,
+    so candidates are scored in chunks that fit beside the history."""
     max_n: int = 1000
     """Largest N (returned items) a request may ask for."""
     max_history: int | None = None
-    """Events kept per history (the most recent). None: the tower's max_seq_len minus max_k,
-    so that history + candidates always fit the tower."""
+    """Events kept per history (the most recent). None: the tower's max_seq_len - 1 (room
+    for one candidate beside the longest history)."""
     max_request_events: int = 100_000
     """Requests with more events than this are rejected, not truncated (bounds parsing work)."""
     micro_batch: int = 128
@@ -149,12 +150,12 @@ class Ranker:
         self.item_side = contents.item_side_features
         self.side_features = [f for f in self.model.candidate_features if f != features.item]
         max_seq_len = int(m["tower"]["max_seq_len"])
-        self.max_k = self.cfg.max_k or min(1000, max_seq_len // 2)
-        if self.max_k >= max_seq_len:
-            raise ValueError(f"ServingConfig.max_k ({self.max_k}) must be below the tower's max_seq_len ({max_seq_len})")
-        self.max_history = self.cfg.max_history or (max_seq_len - self.max_k)
-        if self.max_history + self.max_k > max_seq_len:
-            raise ValueError(f"ServingConfig.max_history + max_k must be <= the tower's max_seq_len ({max_seq_len})")
+        self.max_seq_len = max_seq_len
+        self.max_k = self.cfg.max_k
+        self.max_history = self.cfg.max_history or (max_seq_len - 1)
+        if not 1 <= self.max_history < max_seq_len:
+            raise ValueError(f"ServingConfig.max_history must be in [1, {max_seq_len - 1}] (the tower's "
+                             f"max_seq_len - 1), got {self.max_history}")
 
     # ---- request handling -----------------------------------------------------------------
 
@@ -367,7 +368,10 @@ class Ranker:
         offsets_B1 = torch.cat([torch.zeros(1, dtype=torch.int64), counts_B.cumsum(0)])
         ts_C = torch.repeat_interleave(torch.tensor(times, dtype=torch.int64), counts_B)
         states_CD = tokens_CD.new_empty(tokens_CD.shape)
-        m = self.cfg.micro_batch
+        # The tower holds history + one chunk per row within max_seq_len; a candidate's state
+        # does not depend on the other candidates, so chunking never changes the result.
+        longest = max([0] + cache.history_lengths_B.tolist())
+        m = max(1, min(self.cfg.micro_batch, self.max_seq_len - longest))
         for c0 in range(0, max([0] + counts_B.tolist()), m):
             lo_B = (offsets_B1[:-1] + c0).minimum(offsets_B1[1:])
             hi_B = (lo_B + m).minimum(offsets_B1[1:])

@@ -94,7 +94,7 @@ def test_long_history_is_truncated_to_most_recent(server):
     req = synthetic_request(NUM_ITEMS, 200, k=10, n=5, seed=3, item_features=server["feats"])
     with httpx.Client(base_url=server["url"], timeout=30) as c:
         body = c.post("/v1/rank", json=req).json()
-    assert body["history_truncated"] and body["history_used"] == 96 - 40
+    assert body["history_truncated"] and body["history_used"] == 96 - 1
 
 
 def test_metrics_count_requests_latency_and_batches(server):

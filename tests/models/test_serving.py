@@ -27,6 +27,7 @@ def setup(request, tmp_path_factory):
         art = export_artifact(model, {}, root / dtype, dtype=dtype, item_ids=item_ids, item_features=feats,
                               version=f"v-{dtype}", export_program=False)
         rankers[dtype] = load_artifact(art, ServingConfig(max_k=60, micro_batch=16))
+    rankers["wide"] = load_artifact(root / "fp32", ServingConfig(max_k=300, micro_batch=16))
     return model, feats, rankers
 
 
@@ -76,6 +77,20 @@ def test_int8_within_stated_tolerance(setup):
     assert out["model_version"] == "v-int8"
 
 
+def test_k_beyond_max_seq_len_minus_history(setup):
+    """K + history may exceed the tower's max_seq_len: candidates go in chunks that fit, and
+    each candidate's score is what the training model gives it in a smaller candidate set."""
+    model, feats, rankers = setup
+    req = synthetic_request(NUM_ITEMS, 120, k=300, n=300, seed=12, item_features=feats)
+    out = rankers["wide"].rank(dict(req, sort_by="retrieval"))
+    assert len(out["items"]) == 300
+    ids = torch.tensor([x["item_id"] for x in out["items"]])
+    got = torch.tensor([[x["probabilities"]["click"], x["probabilities"]["conversion"]] for x in out["items"]])
+    for c0 in (0, 150, 292):  # the training model takes at most 128 - 120 candidates at once
+        _, probs = _reference(model, feats, req, ids[c0 : c0 + 8])
+        assert float((got[c0 : c0 + 8] - probs).abs().max()) < 1e-4
+
+
 def test_mfalcon_equals_full_recompute(setup):
     _, feats, rankers = setup
     r = rankers["fp32"]
@@ -118,15 +133,15 @@ def test_filters(setup):
 def test_history_keeps_most_recent_events_sorted_by_time(setup):
     _, feats, rankers = setup
     r = rankers["fp32"]
-    assert r.max_history == 128 - 60
-    req = synthetic_request(NUM_ITEMS, 100, k=10, n=10, seed=6, item_features=feats)
+    assert r.max_history == 127
+    req = synthetic_request(NUM_ITEMS, 150, k=60, n=10, seed=6, item_features=feats)
     out = r.rank(req)
-    assert out["history_truncated"] and out["history_used"] == 68
-    tail = {key: (v[-68:] if isinstance(v, list) else v) for key, v in req.items()}
-    tail["features"] = {f: v[-68:] for f, v in req["features"].items()}
+    assert out["history_truncated"] and out["history_used"] == 127
+    tail = {key: (v[-127:] if isinstance(v, list) else v) for key, v in req.items()}
+    tail["features"] = {f: v[-127:] for f, v in req["features"].items()}
     assert r.rank(tail)["items"] == out["items"]
     # Shuffled events give the same answer: the history is sorted by timestamp first.
-    perm = torch.randperm(100, generator=torch.Generator().manual_seed(0)).tolist()
+    perm = torch.randperm(150, generator=torch.Generator().manual_seed(0)).tolist()
     shuffled = {key: ([v[i] for i in perm] if isinstance(v, list) else v) for key, v in req.items()}
     shuffled["features"] = {f: [v[i] for i in perm] for f, v in req["features"].items()}
     assert r.rank(shuffled)["items"] == out["items"]
