@@ -54,6 +54,7 @@ class RankBody(BaseModel):
     actions: list[int]
     timestamps: list[int]
     features: dict[str, list[int]] = Field(default_factory=dict)
+    context: dict[str, int] = Field(default_factory=dict)
     k: int | None = Field(default=None, ge=1)
     """Items retrieved and ranked; default min(100, the server's max_k)."""
     n: int | None = Field(default=None, ge=1)

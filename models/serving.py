@@ -26,7 +26,8 @@ CPU); int8 stays within 0.01 absolute per probability (measured <= 3e-3; ranking
 History rules (documented to clients): events may arrive in any order; they are sorted by
 timestamp (stable), and a history longer than `max_history` keeps its most recent events.
 Candidate features other than the item id (advertiser, campaign, category, ...) come from
-the artifact's item index; history events take them from `features` when given, else from
+the artifact's item index, unless the request's `context` gives a value for all candidates
+(slot, device: features of the ad request rather than of the ad); history events take them from `features` when given, else from
 the item index too (unknown items read the default row).
 """
 
@@ -81,6 +82,9 @@ class RankRequest:
     """Event time of each event, unix seconds (aligned with item_ids)."""
     features: dict[str, list[int]] = field(default_factory=dict)
     """Optional per-event values of other sparse features (aligned with item_ids)."""
+    context: dict[str, int] = field(default_factory=dict)
+    """Optional request context for the candidates (e.g. {"slot": 3, "device": 1}): one value
+    per feature, given to every candidate instead of the item index's value."""
     k: int = 500
     """Items retrieved and ranked."""
     n: int = 50
@@ -174,6 +178,9 @@ class Ranker:
                 raise RequestError(f"features.{f}", f"not a context feature of this model ({self.side_features})")
             if len(vals) != n_events:
                 raise RequestError(f"features.{f}", f"{len(vals)} values, item_ids has {n_events}")
+        for f in req.context:
+            if f not in self.side_features:
+                raise RequestError(f"context.{f}", f"not a candidate feature of this model ({self.side_features})")
         if not 1 <= req.k <= self.max_k:
             raise RequestError("k", f"too many candidates: must be in [1, {self.max_k}], got {req.k}")
         if not 1 <= req.n <= min(req.k, self.cfg.max_n):
@@ -203,7 +210,7 @@ class Ranker:
         probs_CT = None
         if self.tasks:
             times = [h["request_time"] for h in hist]
-            probs_CT = self.score_candidates(cache, cand_idx, times)
+            probs_CT = self.score_candidates(cache, cand_idx, times, [r.context for r in reqs])
         out, c0 = [], 0
         for b, r in enumerate(reqs):
             idx = cand_idx[b]
@@ -352,18 +359,25 @@ class Ranker:
             return torch.ops.quantized.linear_dynamic(user_BD, self._int8_blocks[block])
         return (user_BD @ self.item_rows_ND[s:e].float().T) * self.item_scale_N[s:e]
 
-    def candidate_tokens(self, cand_idx: list[torch.Tensor]) -> torch.Tensor:
+    def candidate_tokens(self, cand_idx: list[torch.Tensor], contexts: list[dict[str, int]] | None = None) -> torch.Tensor:
         idx = torch.cat(cand_idx)
         spec = self.features
         feats = {spec.item: (self.item_ids_N[idx], None)}
+        counts = torch.tensor([c.numel() for c in cand_idx])
         for f in self.side_features:
-            feats[f] = (self.item_side[f][idx], None)
+            values = self.item_side[f][idx]
+            if contexts and any(f in c for c in contexts):
+                override = torch.tensor([c.get(f, 0) for c in contexts], dtype=torch.int64)
+                has = torch.tensor([f in c for c in contexts])
+                values = torch.where(has.repeat_interleave(counts), override.repeat_interleave(counts), values)
+            feats[f] = (values, None)
         return self._tokens(feats, self.model.candidate_features, "candidates")
 
-    def score_candidates(self, cache, cand_idx: list[torch.Tensor], times: list[int]) -> torch.Tensor:
+    def score_candidates(self, cache, cand_idx: list[torch.Tensor], times: list[int],
+                         contexts: list[dict[str, int]] | None = None) -> torch.Tensor:
         """Step 3 (M-FALCON): candidate probabilities [C, tasks] against the cached histories,
         `micro_batch` candidates per user per tower call."""
-        tokens_CD = self.candidate_tokens(cand_idx)
+        tokens_CD = self.candidate_tokens(cand_idx, contexts)
         counts_B = torch.tensor([c.numel() for c in cand_idx])
         offsets_B1 = torch.cat([torch.zeros(1, dtype=torch.int64), counts_B.cumsum(0)])
         ts_C = torch.repeat_interleave(torch.tensor(times, dtype=torch.int64), counts_B)

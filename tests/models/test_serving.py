@@ -155,7 +155,28 @@ def test_side_features_default_to_the_item_index(setup):
     assert r.rank(without)["items"] == r.rank(req)["items"]
 
 
+def test_request_context_overrides_candidate_side_features(setup):
+    model, feats, rankers = setup
+    r = rankers["fp32"]
+    req = synthetic_request(NUM_ITEMS, 30, k=20, n=20, seed=13, item_features=feats)
+    plain = r.rank(dict(req, sort_by="retrieval"))
+    ctx = r.rank(dict(req, sort_by="retrieval", context={"category_id": 7}))
+    assert [x["item_id"] for x in ctx["items"]] == [x["item_id"] for x in plain["items"]]  # retrieval unchanged
+    ids = torch.tensor([x["item_id"] for x in ctx["items"]])
+    saved = feats["category_id"]
+    try:
+        feats["category_id"] = torch.full_like(saved, 7)  # the training model sees category 7 on every candidate
+        _, probs = _reference(model, feats, req, ids)
+    finally:
+        feats["category_id"] = saved
+    got = torch.tensor([[x["probabilities"]["click"], x["probabilities"]["conversion"]] for x in ctx["items"]])
+    assert float((got - probs).abs().max()) < 1e-4
+    assert got.ne(torch.tensor([[x["probabilities"]["click"], x["probabilities"]["conversion"]]
+                                for x in plain["items"]])).any()
+
+
 @pytest.mark.parametrize("change,field", [
+    ({"context": {"action": 1}}, "context.action"),
     ({"k": 61}, "k"), ({"n": 11, "k": 10}, "n"), ({"actions": [1]}, "actions"),
     ({"features": {"campaign_id": [1]}}, "features.campaign_id"), ({"sort_by": "revenue"}, "sort_by"),
     ({"item_ids": [], "actions": [], "timestamps": []}, "item_ids"),
