@@ -265,7 +265,6 @@ def run(quick: bool) -> dict:
         # ---- in process: M-FALCON vs recompute, int8 vs fp32
         rankers = {d: load_artifact(arts[d], scfg) for d in arts}
         r32 = rankers["fp32"]
-        req = r32.rank_batch  # noqa: F841 (keeps the loaded model warm below)
         hist = r32._history(_as_request(requests[0]))
         user, cache = r32.encode([hist])
         scores, idx = r32.retrieve(user, k, [{}])
