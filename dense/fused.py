@@ -26,7 +26,7 @@ class TileArgs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("G", "H", "bq", "K", "N", "i0", "P", "NB")] + [
         ("ts", ctypes.c_void_p), ("thr", ctypes.c_void_p), ("ts_w", ctypes.c_void_p),
         ("pos_w", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("hist", ctypes.c_void_p),
-        ("alpha", ctypes.c_float), ("inv_divisor", ctypes.c_float)]
+        ("alpha", ctypes.c_float), ("inv_divisor", ctypes.c_float), ("tidx", ctypes.c_void_p)]
 
 
 def library() -> ctypes.CDLL | None:
@@ -53,6 +53,7 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(so))
     except (OSError, subprocess.SubprocessError):
         return None
+    lib.hstu_time_index.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p]
     lib.hstu_tile_fwd.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_int]
     lib.hstu_tile_bwd.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p, ctypes.c_int,
@@ -77,10 +78,22 @@ def _ptr(t: torch.Tensor | None):
 
 
 def tile_args(*, G, H, bq, K, N, i0, P, NB, ts, thr, ts_w, pos_w, pos, hist, alpha,
-              divisor) -> TileArgs:
+              divisor, tidx=None) -> TileArgs:
     # Every tensor passed here must stay alive (and contiguous) for the duration of the call.
     return TileArgs(G, H, bq, K, N, i0, P, NB, _ptr(ts), _ptr(thr), _ptr(ts_w), _ptr(pos_w),
-                    _ptr(pos), _ptr(hist), alpha, 1.0 / divisor)
+                    _ptr(pos), _ptr(hist), alpha, 1.0 / divisor, _ptr(tidx))
+
+
+def time_index(ts_GN: torch.Tensor, num_buckets: int, divisor: float) -> torch.Tensor:
+    """uint8 [G, N, N] time bucket of every pair (the C twin of kernels.time_buckets)."""
+    G, N = ts_GN.shape
+    ts_GN = ts_GN.contiguous()
+    thr = time_thresholds(num_buckets, divisor)
+    out = torch.empty(G, N, N, dtype=torch.uint8)
+    args = tile_args(G=G, H=1, bq=N, K=N, N=N, i0=0, P=1, NB=num_buckets, ts=ts_GN, thr=thr,
+                     ts_w=None, pos_w=None, pos=None, hist=None, alpha=1.0, divisor=divisor)
+    library().hstu_time_index(ctypes.byref(args), out.data_ptr())
+    return out
 
 
 @functools.lru_cache(maxsize=8)

@@ -64,7 +64,9 @@ class HSTUBlock(nn.Module):
         """attn [..., H*dv] -> block output."""
         return x_TD + self.output(self.dropout(u * self.attn_norm(attn)))
 
-    def forward(self, x_TD: torch.Tensor, layout: JaggedLayout) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, layout: JaggedLayout, return_kv: bool = False):
+        """-> y_TD, or (y_TD, k_THd, v_THd) with return_kv (for the history cache)."""
         u, q, k, v = self.project(x_TD)
         attn = self.kernel(q, k, v, layout, self.ts_w, self.pos_w, self.params)
-        return self.finish(x_TD, u, attn.flatten(1))
+        y = self.finish(x_TD, u, attn.flatten(1))
+        return (y, k, v) if return_kv else y

@@ -183,6 +183,15 @@ def _logits(q_blk, k, bias, p):
     return torch.add(s, bias[:, None])  # promotes a bf16 product to fp32 in the same pass
 
 
+def _fused_time_index(bucket: LengthBucket, p: HSTUAttentionParams) -> torch.Tensor:
+    """uint8 [G, N, N] time buckets, computed once per tower call (cached on the bucket)."""
+    idx = getattr(bucket, "_time_index", None)
+    if idx is None:
+        idx = _fused.time_index(bucket.timestamps_GN, p.num_time_buckets, p.time_bucket_divisor)
+        bucket._time_index = idx
+    return idx
+
+
 def _fused_state(q, k, v, ts_w, pos_w, bucket, p):
     """A tile -> fused.TileArgs factory when the fused C tile applies, else None."""
     if not (p.fused and _fused.supports(q, k, v, ts_w, pos_w)):
@@ -190,6 +199,7 @@ def _fused_state(q, k, v, ts_w, pos_w, bucket, p):
     G, H, N, _ = q.shape
     keep = dict(  # held by the closure so the raw pointers stay valid
         ts=None if ts_w is None else bucket.timestamps_GN.contiguous(),
+        tidx=None if ts_w is None else _fused_time_index(bucket, p),
         thr=_fused.time_thresholds(p.num_time_buckets, p.time_bucket_divisor),
         ts_w=None if ts_w is None else ts_w.detach().float().contiguous(),
         pos_w=None if pos_w is None else pos_w.detach().float().contiguous(),

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from .config import TowerConfig
 from .hstu import HSTUBlock
 from .jagged import JaggedLayout, make_layout
-from .kernels import relative_bias
+from .kernels import relative_bias, time_buckets
 from .transformer import TransformerBlock
 
 
@@ -79,9 +79,9 @@ class SequenceTower(nn.Module):
         kvs = []
         for layer in self.layers:
             if keep_kv:
-                _, _, k, v = layer.project(x_TD)
+                x_TD, k, v = layer(x_TD, layout, return_kv=True)
                 kvs.append((k, v))
-            if self.activation_checkpointing and torch.is_grad_enabled():
+            elif self.activation_checkpointing and torch.is_grad_enabled():
                 x_TD = checkpoint(layer, x_TD, layout, use_reentrant=False)
             else:
                 x_TD = layer(x_TD, layout)
@@ -159,6 +159,13 @@ class SequenceTower(nn.Module):
             x_BMD = x_BMD + self.position_embedding(hist_B)[:, None, :]
         B, M, _ = x_BMD.shape
         L = cache.timestamps_BL.shape[1]
+        # Bias indices depend only on positions and timestamps: once per micro-batch, not per layer.
+        first = self.layers[0]
+        if self.cfg.kind == "hstu":
+            p = first.params
+            pos_idx = (hist_B[:, None, None] - torch.arange(L, device=x_BMD.device)).clamp(0, p.max_seq_len - 1)
+            t_idx = time_buckets(ts_BM[:, :, None] - cache.timestamps_BL[:, None, :],
+                                 p.num_time_buckets, p.time_bucket_divisor)
         for layer, K, V in zip(self.layers, cache.keys, cache.values):
             u, q, k, v = layer.project(x_BMD)                 # q, k: [B, M, H, dq]
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, M, d]
@@ -168,9 +175,11 @@ class SequenceTower(nn.Module):
             if self.cfg.kind == "hstu":
                 p = layer.params
                 s_hist, s_self = s_hist * p.alpha, s_self * p.alpha
-                pos_k = torch.arange(L, device=x_BMD.device)[None, None, :]
-                rab = relative_bias(hist_B[:, None, None], ts_BM[:, :, None], pos_k,
-                                    cache.timestamps_BL[:, None, :], layer.ts_w, layer.pos_w, p)
+                rab = None
+                if layer.pos_w is not None:
+                    rab = layer.pos_w[pos_idx]
+                if layer.ts_w is not None:
+                    rab = layer.ts_w[t_idx] if rab is None else rab + layer.ts_w[t_idx]
                 zero = hist_B.new_zeros(1)
                 rab_self = relative_bias(zero, zero, zero, zero, layer.ts_w, layer.pos_w, p)
                 if rab is not None:

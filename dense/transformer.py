@@ -44,11 +44,13 @@ class TransformerBlock(nn.Module):
         h = x_TD + self.dropout(self.output(attn))
         return h + self.dropout(self.ffn(self.ffn_norm(h)))
 
-    def forward(self, x_TD: torch.Tensor, layout: JaggedLayout) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, layout: JaggedLayout, return_kv: bool = False):
+        """-> y_TD, or (y_TD, k_THd, v_THd) with return_kv (for the history cache)."""
         _, q, k, v = self.project(x_TD)
         p = self.dropout_p if self.training else 0.0
         if self.kernel_name == "sdpa":
             attn = self.kernel(q, k, v, layout, p, self.bucket_min_fill)
         else:
             attn = self.kernel(q, k, v, layout, p)
-        return self.finish(x_TD, None, attn.flatten(1))
+        y = self.finish(x_TD, None, attn.flatten(1))
+        return (y, k, v) if return_kv else y

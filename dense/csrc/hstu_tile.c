@@ -31,6 +31,7 @@ typedef struct {
   const int64_t *hist;   /* [G] */
   float alpha;
   float inv_divisor;
+  const uint8_t *tidx;   /* [G, N, N] precomputed time buckets (hstu_time_index), or NULL */
 } tile_args;
 
 /* Per (row, query) bias over all keys, shared by the heads: brow = rab, mrow = 0/1 mask,
@@ -57,7 +58,14 @@ static void row_bias(const tile_args *t, int64_t g, int64_t i, float *brow, floa
       brow[j] += t->pos_w[r];
     }
   }
-  if (t->ts) {
+  if (t->ts && t->tidx) {
+    const uint8_t *tb = t->tidx + (g * N + i) * N;
+#pragma omp simd
+    for (int64_t j = 0; j < K; ++j) {
+      trow[j] = tb[j];
+      brow[j] += t->ts_w[tb[j]];
+    }
+  } else if (t->ts) {
     const int64_t *ts = t->ts + g * N;
     const int64_t ti = ts[i];
     const int64_t *thr = t->thr;
@@ -163,4 +171,29 @@ void hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, 
     free(lts); free(lpos); free(grow);
     FREE_ROW_BUFFERS
   }
+}
+
+/* Time bucket of every (query, key) pair of G rows of N tokens, computed once per tower call
+ * and shared by all layers and by forward and backward (1 byte per pair). */
+void hstu_time_index(const tile_args *t, uint8_t *out) {
+  const int64_t N = t->N;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t g = 0; g < t->G; ++g)
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t *ts = t->ts + g * N;
+      const int64_t ti = ts[i];
+      const int64_t *thr = t->thr;
+      uint8_t *o = out + (g * N + i) * N;
+#pragma omp simd
+      for (int64_t j = 0; j < N; ++j) {
+        int64_t x = ti - ts[j];
+        x = x < 0 ? -x : x;
+        x = x < 1 ? 1 : x;
+        int b = (int)(logf((float)x) * t->inv_divisor);
+        b = b < 0 ? 0 : (b > t->NB ? (int)t->NB : b);
+        b += (x >= thr[b + 1]);
+        b -= (x < thr[b]);
+        o[j] = (uint8_t)b;
+      }
+    }
 }

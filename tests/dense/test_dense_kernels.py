@@ -135,3 +135,16 @@ def test_fused_tile_fp32_matches_float64_reference(normalizer, num_targets, bias
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
     for a, b in zip(grads(out, ins32), g_ref):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(fused.library() is None, reason="no C compiler for the fused tile")
+def test_fused_time_index_equals_reference_bucketing():
+    g = torch.Generator().manual_seed(3)
+    # Gaps spanning seconds to years, both signs, and exact bucket thresholds.
+    ts = torch.cumsum(torch.randint(0, 10**6, (2, 300), generator=g), 1)
+    ts[0, :64] = fused.time_thresholds(128, 0.301)[1:65].clamp(max=2**40)
+    ts[0, 64] = 0
+    got = fused.time_index(ts, 128, 0.301).long()
+    want = torch.ops.aten.clamp(
+        (torch.log((ts[:, :, None] - ts[:, None, :]).abs().clamp(min=1).float()) / 0.301).long(), 0, 128)
+    assert torch.equal(got, want)
