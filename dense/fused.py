@@ -26,7 +26,8 @@ class TileArgs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("G", "H", "bq", "K", "N", "i0", "P", "NB")] + [
         ("ts", ctypes.c_void_p), ("thr", ctypes.c_void_p), ("ts_w", ctypes.c_void_p),
         ("pos_w", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("hist", ctypes.c_void_p),
-        ("alpha", ctypes.c_float), ("inv_divisor", ctypes.c_float), ("tidx", ctypes.c_void_p)]
+        ("alpha", ctypes.c_float), ("inv_divisor", ctypes.c_float), ("tidx", ctypes.c_void_p),
+        ("nthreads", ctypes.c_int64)]
 
 
 def library() -> ctypes.CDLL | None:
@@ -81,7 +82,8 @@ def tile_args(*, G, H, bq, K, N, i0, P, NB, ts, thr, ts_w, pos_w, pos, hist, alp
               divisor, tidx=None) -> TileArgs:
     # Every tensor passed here must stay alive (and contiguous) for the duration of the call.
     return TileArgs(G, H, bq, K, N, i0, P, NB, _ptr(ts), _ptr(thr), _ptr(ts_w), _ptr(pos_w),
-                    _ptr(pos), _ptr(hist), alpha, 1.0 / divisor, _ptr(tidx))
+                    _ptr(pos), _ptr(hist), alpha, 1.0 / divisor, _ptr(tidx),
+                    torch.get_num_threads())
 
 
 def time_index(ts_GN: torch.Tensor, num_buckets: int, divisor: float) -> torch.Tensor:

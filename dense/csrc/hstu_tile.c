@@ -32,6 +32,7 @@ typedef struct {
   float alpha;
   float inv_divisor;
   const uint8_t *tidx;   /* [G, N, N] precomputed time buckets (hstu_time_index), or NULL */
+  int64_t nthreads;      /* torch.get_num_threads(): respect the process's thread budget */
 } tile_args;
 
 /* Per (row, query) bias over all keys, shared by the heads: brow = rab, mrow = 0/1 mask,
@@ -105,7 +106,7 @@ static inline void store_row(void *p, int64_t base, int bf, const float *in, int
 void hstu_tile_fwd(const tile_args *t, const void *s, int s_bf, void *a, int a_bf) {
   const int64_t K = t->K;
   const float alpha = t->alpha;
-#pragma omp parallel
+#pragma omp parallel num_threads(t->nthreads)
   {
     ROW_BUFFERS
 #pragma omp for collapse(2) schedule(static)
@@ -132,7 +133,7 @@ void hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, 
                    void *a, int a_bf, void *ds, int ds_bf, double *d_ts, double *d_pos) {
   const int64_t K = t->K;
   const float alpha = t->alpha;
-#pragma omp parallel
+#pragma omp parallel num_threads(t->nthreads)
   {
     ROW_BUFFERS
     float *grow = malloc(sizeof(float) * (size_t)(K + 1));
@@ -177,7 +178,7 @@ void hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, 
  * and shared by all layers and by forward and backward (1 byte per pair). */
 void hstu_time_index(const tile_args *t, uint8_t *out) {
   const int64_t N = t->N;
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) num_threads(t->nthreads)
   for (int64_t g = 0; g < t->G; ++g)
     for (int64_t i = 0; i < N; ++i) {
       const int64_t *ts = t->ts + g * N;
