@@ -372,3 +372,40 @@ KERNELS: dict[tuple[str, str], Callable[..., torch.Tensor]] = {
     ("transformer", "reference"): mha_reference,
     ("transformer", "sdpa"): mha_sdpa,
 }
+
+
+def hstu_target_attention_fused(q_BHMd, k_BHMd, v_BHMd, cache_k_BHLd, cache_v_BHLd, ts_w, pos_w,
+                                history_lengths_B, cache_ts_BL, ts_BM, p: HSTUAttentionParams):
+    """Candidates vs cached history with the fused tile, or None when it does not apply.
+
+    Each row is laid out as [L cached history slots, M candidates]; candidates are queries
+    L..L+M-1. The tile's mask then gives exactly the target-aware semantics: padded history
+    slots (j >= hist) and other candidates are invisible, the candidate sees itself.
+    """
+    if not (p.fused and _fused.supports(q_BHMd, cache_k_BHLd, cache_v_BHLd, ts_w, pos_w)):
+        return None
+    B, H, M, _ = q_BHMd.shape
+    L = cache_k_BHLd.shape[2]
+    dtype = cache_k_BHLd.dtype
+    keys = torch.cat([cache_k_BHLd, k_BHMd.to(dtype)], dim=2)
+    values = torch.cat([cache_v_BHLd, v_BHMd.to(dtype)], dim=2)
+    pos = torch.cat([torch.arange(L).expand(B, L), history_lengths_B[:, None].expand(B, M)], 1).contiguous()
+    ts = torch.cat([cache_ts_BL, ts_BM], 1).contiguous()
+    hist = history_lengths_B.contiguous()
+    thr = _fused.time_thresholds(p.num_time_buckets, p.time_bucket_divisor)
+    ts_w32 = None if ts_w is None else ts_w.detach().float().contiguous()
+    pos_w32 = None if pos_w is None else pos_w.detach().float().contiguous()
+    args = _fused.tile_args(G=B, H=H, bq=M, K=L + M, N=L + M, i0=L, P=p.max_seq_len,
+                            NB=p.num_time_buckets, ts=None if ts_w is None else ts, thr=thr,
+                            ts_w=ts_w32, pos_w=pos_w32, pos=pos, hist=hist, alpha=p.alpha,
+                            divisor=p.time_bucket_divisor)
+    with torch.autocast("cpu", enabled=False):
+        s = torch.matmul(q_BHMd.to(dtype), keys.transpose(-1, -2))
+        a = torch.empty(s.shape, dtype=dtype)
+        _fused.tile_forward(args, s, a)
+        out = torch.matmul(a, values)
+    if p.normalizer == "max_seq_len":
+        return out / p.max_seq_len
+    if p.normalizer == "num_keys":
+        return out / (history_lengths_B.to(out.dtype) + 1)[:, None, None, None]
+    return out

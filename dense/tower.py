@@ -31,9 +31,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import TowerConfig
+from . import fused as _fused
 from .hstu import HSTUBlock
 from .jagged import JaggedLayout, make_layout
-from .kernels import relative_bias, time_buckets
+from .kernels import hstu_target_attention_fused, relative_bias, time_buckets
 from .transformer import TransformerBlock
 
 
@@ -160,18 +161,27 @@ class SequenceTower(nn.Module):
         B, M, _ = x_BMD.shape
         L = cache.timestamps_BL.shape[1]
         # Bias indices depend only on positions and timestamps: once per micro-batch, not per layer.
-        first = self.layers[0]
-        if self.cfg.kind == "hstu":
-            p = first.params
+        # The chunked kernel's fused tile scores candidates too; "reference" keeps plain PyTorch.
+        fused = (self.cfg.kind == "hstu" and self.cfg.resolved_kernel == "chunked"
+                 and self.layers[0].params.fused and _fused.supports(x_BMD, *cache.keys, *cache.values))
+        if self.cfg.kind == "hstu" and not fused:
+            p = self.layers[0].params
             pos_idx = (hist_B[:, None, None] - torch.arange(L, device=x_BMD.device)).clamp(0, p.max_seq_len - 1)
             t_idx = time_buckets(ts_BM[:, :, None] - cache.timestamps_BL[:, None, :],
                                  p.num_time_buckets, p.time_bucket_divisor)
         for layer, K, V in zip(self.layers, cache.keys, cache.values):
             u, q, k, v = layer.project(x_BMD)                 # q, k: [B, M, H, dq]
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, M, d]
+            valid = cache.valid_BL[:, None, None, :]
+            fused_attn = None
+            if fused:
+                fused_attn = hstu_target_attention_fused(
+                    q, k, v, K, V, layer.ts_w, layer.pos_w, hist_B, cache.timestamps_BL, ts_BM, layer.params)
+            if fused_attn is not None:
+                x_BMD = layer.finish(x_BMD, u, fused_attn.transpose(1, 2).reshape(B, M, -1))
+                continue
             s_hist = torch.matmul(q, K.transpose(-1, -2))     # [B, H, M, L]
             s_self = (q * k).sum(-1, keepdim=True)            # [B, H, M, 1]
-            valid = cache.valid_BL[:, None, None, :]
             if self.cfg.kind == "hstu":
                 p = layer.params
                 s_hist, s_self = s_hist * p.alpha, s_self * p.alpha
