@@ -11,6 +11,7 @@ PyTorch has no allocator peak counter.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -82,10 +83,28 @@ def _tokens_per_s(cfg: TowerConfig, batch, reps: int) -> float:
     return x.shape[0] / _time(lambda: _train_step(tower, x, off, ts), reps)
 
 
+def _free_threads() -> int:
+    """Intra-op threads to use: on a shared box, OpenMP barriers with a descheduled thread
+    make every small op wait a scheduler tick (measured ~100x slower at 2 threads under
+    load 7 on 2 cores), so use only the cores other processes leave idle."""
+    load = os.getloadavg()[0]
+    return max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - round(load)))
+
+
 def run(quick: bool) -> dict:
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("GENREC_BENCH_THREADS", _free_threads())))
+    try:
+        return _run(quick)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(quick: bool) -> dict:
     torch.manual_seed(0)
     reps = 1 if quick else 3
-    out: dict = {"threads": torch.get_num_threads(), "precision": "bf16 autocast, fp32 weights"}
+    out: dict = {"threads": torch.get_num_threads(), "load_average": os.getloadavg()[0],
+                 "precision": "bf16 autocast, fp32 weights"}
 
     lengths = [256, 1024, 4096] + ([] if quick else [8192])
     for n in lengths:
