@@ -42,7 +42,8 @@ typedef struct {
  * computed in Python with the reference formula) correct it by one step either way. */
 static void row_bias(const tile_args *t, int64_t g, int64_t i, float *brow, float *mrow,
                      int32_t *rrow, int32_t *trow) {
-  const int64_t K = t->K, N = t->N, h = t->hist[g];
+  /* keys after the query are always masked (causal): only j <= i is looked at */
+  const int64_t K = t->K < i + 1 ? t->K : i + 1, N = t->N, h = t->hist[g];
   const int64_t *pos = t->pos + g * N;
   for (int64_t j = 0; j < K; ++j) {
     int vis = (j <= i) & ((j < h) | (j == i));
@@ -112,12 +113,14 @@ void hstu_tile_fwd(const tile_args *t, const void *s, int s_bf, void *a, int a_b
 #pragma omp for collapse(2) schedule(static)
     for (int64_t g = 0; g < t->G; ++g)
       for (int64_t r = 0; r < t->bq; ++r) {
-        row_bias(t, g, t->i0 + r, brow, mrow, rrow, trow);
+        const int64_t i = t->i0 + r, Kc = K < i + 1 ? K : i + 1;
+        row_bias(t, g, i, brow, mrow, rrow, trow);
+        for (int64_t j = Kc; j < K; ++j) xrow[j] = 0.f;
         for (int64_t hh = 0; hh < t->H; ++hh) {
           int64_t base = ((g * t->H + hh) * t->bq + r) * K;
-          load_row(s, base, s_bf, xrow, K);
+          load_row(s, base, s_bf, xrow, Kc);
 #pragma omp simd
-          for (int64_t j = 0; j < K; ++j) {
+          for (int64_t j = 0; j < Kc; ++j) {
             float x = alpha * xrow[j] + brow[j];
             xrow[j] = mrow[j] * (x / (1.f + expf(fminf(-x, 80.f))));  /* finite under fast-math */
           }
@@ -142,14 +145,16 @@ void hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, 
 #pragma omp for collapse(2) schedule(static)
     for (int64_t g = 0; g < t->G; ++g)
       for (int64_t r = 0; r < t->bq; ++r) {
-        row_bias(t, g, t->i0 + r, brow, mrow, rrow, trow);
+        const int64_t i = t->i0 + r, Kc = K < i + 1 ? K : i + 1;
+        row_bias(t, g, i, brow, mrow, rrow, trow);
         for (int64_t j = 0; j < K; ++j) drow[j] = 0.f;
         for (int64_t hh = 0; hh < t->H; ++hh) {
           int64_t base = ((g * t->H + hh) * t->bq + r) * K;
-          load_row(s, base, s_bf, xrow, K);
-          load_row(da, base, da_bf, grow, K);
+          load_row(s, base, s_bf, xrow, Kc);
+          load_row(da, base, da_bf, grow, Kc);
+          for (int64_t j = Kc; j < K; ++j) xrow[j] = grow[j] = 0.f;
 #pragma omp simd
-          for (int64_t j = 0; j < K; ++j) {
+          for (int64_t j = 0; j < Kc; ++j) {
             float x = alpha * xrow[j] + brow[j];
             float sg = 1.f / (1.f + expf(fminf(-x, 80.f)));
             float m = mrow[j];
@@ -161,8 +166,8 @@ void hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, 
           store_row(a, base, a_bf, xrow, K);
           store_row(ds, base, ds_bf, grow, K);
         }
-        if (lts) for (int64_t j = 0; j < K; ++j) lts[trow[j]] += drow[j];
-        if (lpos) for (int64_t j = 0; j < K; ++j) lpos[rrow[j]] += drow[j];
+        if (lts) for (int64_t j = 0; j < Kc; ++j) lts[trow[j]] += drow[j];
+        if (lpos) for (int64_t j = 0; j < Kc; ++j) lpos[rrow[j]] += drow[j];
       }
 #pragma omp critical
     {
