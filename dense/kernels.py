@@ -12,7 +12,14 @@ which is plain causal when a row has no candidates, and target-aware otherwise: 
 HSTU pointwise attention:  out_i = sum_j visible(i, j) * SiLU(alpha q_i.k_j + rab(i, j)) / n_i * v_j
 Transformer attention:     out_i = softmax_j over visible (q_i.k_j / sqrt(d_qk)) v_j
 
-`KERNELS[(kind, name)]` is the registry the blocks look up.
+`KERNELS[(kind, name)]` is the registry the blocks look up:
+
+    ("hstu", "reference")          padded [B, H, N, N], plain PyTorch: the specification
+    ("hstu", "chunked")            length buckets x query blocks, tiles recomputed in backward;
+                                   the elementwise tile runs in csrc/hstu_tile.c (fused.py) for
+                                   fp32/bf16 on CPU, else in PyTorch (float64, CUDA)
+    ("transformer", "reference")   padded softmax attention, plain PyTorch
+    ("transformer", "sdpa")        length buckets + scaled_dot_product_attention
 """
 
 from __future__ import annotations
