@@ -117,7 +117,10 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------
 
     def _autocast(self):
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.precision)
+        precision = self.cfg.train.precision
+        if precision == "auto":
+            precision = "bf16" if self.dist.device.type == "cuda" else "fp32"
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         if dtype is None:
             return nullcontext()
         return torch.autocast(self.dist.device.type, dtype=dtype)

@@ -10,6 +10,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <omp.h>
 #include <string.h>
 
 static inline float bf2f(uint16_t h) { uint32_t u = ((uint32_t)h) << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -136,12 +137,20 @@ void hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, 
                    void *a, int a_bf, void *ds, int ds_bf, double *d_ts, double *d_pos) {
   const int64_t K = t->K;
   const float alpha = t->alpha;
-#pragma omp parallel num_threads(t->nthreads)
+  /* Per-thread partial sums of the bias gradients, added up in thread order after the
+   * parallel region: a reduction in arrival order (omp critical) would make the result
+   * depend on thread timing, and resumed runs must repeat the same bits. */
+  const int nthreads = t->nthreads;
+  const size_t nts = (size_t)t->NB + 1, npos = (size_t)t->P;
+  double *all_ts = t->ts ? calloc(nts * (size_t)nthreads, sizeof(double)) : NULL;
+  double *all_pos = t->pos_w ? calloc(npos * (size_t)nthreads, sizeof(double)) : NULL;
+#pragma omp parallel num_threads(nthreads)
   {
     ROW_BUFFERS
     float *grow = malloc(sizeof(float) * (size_t)(K + 1));
-    double *lts = t->ts ? calloc((size_t)t->NB + 1, sizeof(double)) : NULL;
-    double *lpos = t->pos_w ? calloc((size_t)t->P, sizeof(double)) : NULL;
+    const int tid = omp_get_thread_num();
+    double *lts = all_ts ? all_ts + nts * (size_t)tid : NULL;
+    double *lpos = all_pos ? all_pos + npos * (size_t)tid : NULL;
 #pragma omp for collapse(2) schedule(static)
     for (int64_t g = 0; g < t->G; ++g)
       for (int64_t r = 0; r < t->bq; ++r) {
@@ -169,14 +178,14 @@ void hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, 
         if (lts) for (int64_t j = 0; j < Kc; ++j) lts[trow[j]] += drow[j];
         if (lpos) for (int64_t j = 0; j < Kc; ++j) lpos[rrow[j]] += drow[j];
       }
-#pragma omp critical
-    {
-      if (lts) for (int64_t b = 0; b <= t->NB; ++b) d_ts[b] += lts[b];
-      if (lpos) for (int64_t b = 0; b < t->P; ++b) d_pos[b] += lpos[b];
-    }
-    free(lts); free(lpos); free(grow);
+    free(grow);
     FREE_ROW_BUFFERS
   }
+  for (int th = 0; th < nthreads; ++th) {
+    if (all_ts) for (size_t b = 0; b < nts; ++b) d_ts[b] += all_ts[nts * (size_t)th + b];
+    if (all_pos) for (size_t b = 0; b < npos; ++b) d_pos[b] += all_pos[npos * (size_t)th + b];
+  }
+  free(all_ts); free(all_pos);
 }
 
 /* Time bucket of every (query, key) pair of G rows of N tokens, computed once per tower call
