@@ -1,0 +1,169 @@
+"""`genrec bench train`: training throughput on 1 and 2 CPU ranks, MFU, step-time shares.
+
+One run, side by side: the same synthetic ad log and model (the demo's, smaller) trained
+for a fixed number of steps by one process and by two gloo ranks (`torchrun`-style env,
+same per-rank batch). MFU divides the dense tower's model FLOPs per second (6 x params x
+tokens for the projections, plus the attention's pairwise products) by a matmul peak
+measured in the same run on the same machine. Step-time shares come from timing the
+parts of a 1-rank step: the sparse store's forward + fused backward, the rest of the
+step (dense compute and optimizer), and for 2 ranks the extra time over 1 rank
+(communication and waiting). Every rank runs one thread, so 1 vs 2 ranks compares
+ranks, not thread counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
+
+
+def matmul_peak_gflops(n: int = 1024, repeats: int = 10) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, b)
+    return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e9
+
+
+def _overrides(data: Path, out: Path, steps: int) -> list[str]:
+    return [f'data.path="{data}"', f'train.out_dir="{out}"', f"train.max_steps={steps}",
+            "train.checkpoint_every=1000000", "train.tensorboard=false", "train.log_every=1000000",
+            "data.loader.batch_size=32", "data.loader.max_seq_len=64", "dense.max_seq_len=80"]
+
+
+def _tower_flops(cfg, batch) -> float:
+    """Forward+backward FLOPs of the tower on one batch (3x the forward)."""
+    d = cfg.dense
+    per_token = 2 * sum(p.numel() for p in _tower_params(cfg))
+    lengths = batch.history_lengths_B.double()
+    if batch.candidates is not None:
+        lengths = lengths + batch.candidates.lengths()[: batch.batch_size].double()
+    pairs = float((lengths * (lengths + 1) / 2).sum())
+    attention = 2 * pairs * d.num_heads * (d.attention_dim + d.linear_dim) * d.num_layers
+    return 3 * (per_token * float(lengths.sum()) + attention)
+
+
+def _tower_params(cfg):
+    from genrec.dense import build_tower
+
+    return [p for n, p in build_tower(cfg.dense).named_parameters() if p.ndim == 2]
+
+
+def _time_one_rank(cfg, steps: int) -> dict:
+    from genrec.models.distributed import init_distributed
+    from genrec.models.trainer import Trainer
+
+    torch.set_num_threads(1)  # as each of the 2 ranks: the comparison is about ranks, not threads
+    trainer = Trainer(cfg, init_distributed())
+    store = trainer.store
+    sparse_s = [0.0]
+    forward = store.forward
+
+    def timed_forward(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = forward(*args, **kwargs)
+        sparse_s[0] += time.perf_counter() - t0
+        return out
+
+    store.forward = timed_forward
+    batches = iter(trainer.loader)
+    trainer.train_step(next(batches))  # warm-up
+    sparse_s[0], flops, samples, tokens = 0.0, 0.0, 0, 0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        batch = next(batches)
+        trainer.train_step(batch)
+        flops += _tower_flops(cfg, batch)
+        samples += batch.batch_size
+        tokens += batch.num_tokens
+    elapsed = time.perf_counter() - t0
+    return {"seconds": elapsed, "samples": samples, "tokens": tokens, "flops": flops, "sparse_forward_s": sparse_s[0]}
+
+
+_TWO_RANKS = """
+import json, sys, time
+from genrec.models.config import JobConfig
+from genrec.models.config_loader import load_config
+from genrec.models.distributed import init_distributed
+from genrec.models.trainer import Trainer
+cfg = load_config(JobConfig, sys.argv[1], json.loads(sys.argv[2]))
+trainer = Trainer(cfg, init_distributed())
+batches = iter(trainer.loader)
+trainer.train_step(next(batches))
+t0 = time.perf_counter(); samples = 0
+for _ in range(int(sys.argv[3])):
+    batch = next(batches); trainer.train_step(batch); samples += batch.batch_size
+if trainer.dist.rank == 0:
+    print(json.dumps({"seconds": time.perf_counter() - t0, "samples_rank0": samples}))
+"""
+
+
+def _time_two_ranks(cfg_path: Path, overrides: list[str], steps: int) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", _TWO_RANKS, str(cfg_path), json.dumps(overrides), str(steps)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        ))
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"2-rank bench failed: exit codes {[p.returncode for p in procs]}")
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
+def run(quick: bool = False) -> dict:
+    from genrec.data.prepare import prepare
+    from genrec.data.synth import synthesize
+    from genrec.models.config import JobConfig
+    from genrec.models.config_loader import load_config
+
+    steps = 10 if quick else 50
+    users, events = (400, 30_000) if quick else (2000, 200_000)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        print(f"bench train: synthesizing {events:,} events", file=sys.stderr)
+        synthesize(tmp / "logs", num_users=users, num_items=2000, num_events=events, seed=0, progress=False)
+        overrides = _overrides(tmp / "data", tmp / "run1", steps)
+        cfg = load_config(JobConfig, CONFIG, overrides)
+        prepare(tmp / "logs", tmp / "data", cfg.data.features, cfg.data.prepare.split, progress=False)
+        peak = matmul_peak_gflops()
+        print(f"bench train: 1 rank, {steps} steps", file=sys.stderr)
+        one = _time_one_rank(cfg, steps)
+        print(f"bench train: 2 ranks, {steps} steps", file=sys.stderr)
+        two = _time_two_ranks(CONFIG, _overrides(tmp / "data", tmp / "run2", steps), steps)
+    per_step_1 = one["seconds"] / steps
+    per_step_2 = two["seconds"] / steps
+    # The store's fused backward runs inside autograd and is not separable by a hook; the
+    # forward's share is reported, and the backward is counted with dense compute.
+    sparse_share = one["sparse_forward_s"] / one["seconds"]
+    comm_share = max(per_step_2 - per_step_1, 0.0) / per_step_2
+    return {
+        "samples_per_s_1rank": one["samples"] / one["seconds"],
+        "samples_per_s_2rank": 2 * two["samples_rank0"] / two["seconds"],
+        "tokens_per_s_1rank": one["tokens"] / one["seconds"],
+        "mfu": one["flops"] / one["seconds"] / 1e9 / peak,
+        "matmul_peak_gflops_fp32": peak,
+        "step_time_shares": {
+            "sparse_lookup": sparse_share,
+            "dense_compute_and_optimizer": 1.0 - sparse_share,
+            "communication_2rank": comm_share,
+        },
+        "steps": steps,
+        "threads_per_rank": 1,
+    }
