@@ -182,7 +182,7 @@ class Trainer:
             self.save(loader_state)
             if stopped:
                 logger.write(f"stopped by a signal at step {self.step}; checkpoint saved")
-            else:
+            elif not (tc.eval_every and self.step % tc.eval_every == 0):  # not validated just now
                 logger.log(self.step, self.validate())
         finally:
             stop.restore()
