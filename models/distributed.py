@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,18 @@ def init_distributed() -> DistInfo:
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart == 0:
+            dist.init_process_group(backend)
+        else:
+            # After `torchrun --max-restarts` brings a group back, the agent's store still
+            # holds the dead workers' connection keys; a fresh namespace per restart keeps
+            # the new workers from waiting on them.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                  is_master=False, timeout=timedelta(minutes=10))
+            dist.init_process_group(backend, store=dist.PrefixStore(f"genrec/restart-{restart}", store),
+                                    rank=rank, world_size=world_size)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 

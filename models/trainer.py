@@ -82,6 +82,10 @@ class Trainer:
         self.cfg = cfg
         self.dist = dist_info
         tc = cfg.train
+        if tc.optim.warmup_steps > tc.max_steps:
+            raise ValueError(
+                f"train.optim.warmup_steps ({tc.optim.warmup_steps}) must not exceed train.max_steps ({tc.max_steps})"
+            )
         # The same seed on every rank: replicas start equal and draw the same negatives, so
         # N ranks reproduce one rank's run on the same global batch.
         seed_everything(tc.seed, tc.deterministic)
