@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -116,7 +117,9 @@ class Trainer:
             saved = to_dict(cfg)
             # Absolute, so `genrec eval` / `export` find the data from any directory.
             saved["data"]["path"] = str(Path(cfg.data.path).resolve())
-            (self.out_dir / "config.json").write_text(json.dumps(saved, indent=2))
+            tmp = self.out_dir / f".config.json.{os.getpid()}"
+            tmp.write_text(json.dumps(saved, indent=2))
+            tmp.replace(self.out_dir / "config.json")
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -131,7 +134,9 @@ class Trainer:
 
     def train_step(self, batch) -> dict[str, float]:
         self.model.train()
-        self.store.set_event_time(int(batch.timestamps_T.max()))
+        batch = batch.to(self.dist.device, non_blocking=True)
+        if batch.num_tokens:
+            self.store.set_event_time(int(batch.timestamps_T.max()))  # TTL runs on event time
         with self._autocast():
             loss, parts = self.model(batch)
         self.scaler.scale(loss).backward()
