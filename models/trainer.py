@@ -63,7 +63,12 @@ class _Prefetcher:
             batch = next(self.iterator)
         except StopIteration:  # the loader starts its next epoch
             self.iterator = iter(self.loader)
-            batch = next(self.iterator)
+            batch = next(self.iterator, None)
+            if batch is None:
+                raise ValueError(
+                    "the training loader gave this rank no batch for a whole epoch: the split is "
+                    "empty or smaller than one batch per rank (lower data.loader.batch_size or use fewer ranks)"
+                ) from None
         return batch, self.loader.state_dict()
 
     def next(self):
