@@ -35,7 +35,6 @@ history length. Loading never unpickles: JSON + safetensors only, after checksum
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -49,6 +48,8 @@ from typing import Any, Literal
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from genrec.models.checkpoint import sha256_file
 
 FORMAT = "genrec.artifact/1"
 MANIFEST = "manifest.json"
@@ -159,14 +160,6 @@ def _lookup_fp32(table: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor) ->
 
 
 # ---------------------------------------------------------------------- files and checksums
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _library_versions() -> dict[str, str]:

@@ -84,7 +84,8 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -234,7 +235,7 @@ class CheckpointManager:
         mine += sorted(p for p in rank_dir.rglob("*") if p.is_file())
         for p in mine:
             _fsync_path(p)  # extra files were written by other code, maybe without fsync
-            manifest[p.relative_to(tmp).as_posix()] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
+            manifest[p.relative_to(tmp).as_posix()] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
         for d in sorted({p.parent for p in mine}):
             _fsync_path(d)
 
@@ -304,7 +305,7 @@ class CheckpointManager:
         """Refuse a checkpoint file that is missing or differs from its marker entry."""
         if not f.is_file():
             raise ValueError(f"checkpoint file {f} is missing")
-        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+        if f.stat().st_size != meta["bytes"] or sha256_file(f) != meta["sha256"]:
             raise ValueError(f"checkpoint file {f} is corrupt or truncated (checksum mismatch)")
 
     def load(

@@ -36,6 +36,19 @@ typedef struct {
   int64_t nthreads;      /* torch.get_num_threads(): respect the process's thread budget */
 } tile_args;
 
+/* Time bucket of |ti - tj|: logf gives a guess, the integer thresholds correct it by one
+ * step either way so the result equals the PyTorch reference exactly (see row_bias). */
+static inline int time_bucket(const tile_args *t, int64_t ti, int64_t tj) {
+  int64_t x = ti - tj;
+  x = x < 0 ? -x : x;
+  x = x < 1 ? 1 : x;
+  int b = (int)(logf((float)x) * t->inv_divisor);
+  b = b < 0 ? 0 : (b > t->NB ? (int)t->NB : b);
+  b += (x >= t->thr[b + 1]);
+  b -= (x < t->thr[b]);
+  return b;
+}
+
 /* Per (row, query) bias over all keys, shared by the heads: brow = rab, mrow = 0/1 mask,
  * rrow / trow = position and time bucket indices (for the bias gradients).
  * The time bucket matches the PyTorch reference exactly: logf gives a guess and the integer
@@ -71,16 +84,9 @@ static void row_bias(const tile_args *t, int64_t g, int64_t i, float *brow, floa
   } else if (t->ts) {
     const int64_t *ts = t->ts + g * N;
     const int64_t ti = ts[i];
-    const int64_t *thr = t->thr;
 #pragma omp simd
     for (int64_t j = 0; j < K; ++j) {
-      int64_t x = ti - ts[j];
-      x = x < 0 ? -x : x;
-      x = x < 1 ? 1 : x;
-      int b = (int)(logf((float)x) * t->inv_divisor);
-      b = b < 0 ? 0 : (b > t->NB ? (int)t->NB : b);
-      b += (x >= thr[b + 1]);
-      b -= (x < thr[b]);
+      const int b = time_bucket(t, ti, ts[j]);
       trow[j] = b;
       brow[j] += t->ts_w[b];
     }
@@ -197,18 +203,8 @@ void hstu_time_index(const tile_args *t, uint8_t *out) {
     for (int64_t i = 0; i < N; ++i) {
       const int64_t *ts = t->ts + g * N;
       const int64_t ti = ts[i];
-      const int64_t *thr = t->thr;
       uint8_t *o = out + (g * N + i) * N;
 #pragma omp simd
-      for (int64_t j = 0; j < N; ++j) {
-        int64_t x = ti - ts[j];
-        x = x < 0 ? -x : x;
-        x = x < 1 ? 1 : x;
-        int b = (int)(logf((float)x) * t->inv_divisor);
-        b = b < 0 ? 0 : (b > t->NB ? (int)t->NB : b);
-        b += (x >= thr[b + 1]);
-        b -= (x < thr[b]);
-        o[j] = (uint8_t)b;
-      }
+      for (int64_t j = 0; j < N; ++j) o[j] = (uint8_t)time_bucket(t, ti, ts[j]);
     }
 }
