@@ -67,11 +67,10 @@ from genrec.models.metrics import (
     headline_cis,
     length_buckets,
     popularity_buckets,
-    rank_of_target,
 )
 from genrec.models.model import GenerativeRecommender, interleave_jagged
 from genrec.models.report import collect_versions, write_report
-from genrec.models.validation import corpus_index
+from genrec.models.validation import corpus_index, target_ranks
 
 EVAL_KS = (10, 50, 200)
 """Retrieval cutoffs."""
@@ -268,23 +267,8 @@ class _Rows:
                      history_lengths_B=len_B, candidates=_kjt(self.candidates, self.candidate_len_B, keys),
                      candidate_timestamps_C=self.candidates[TS], labels_CL=self.labels_CL)
 
-    def seen(self, item: str, corpus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Jagged (corpus positions, offsets_B1) of the seen items that are in `corpus`."""
-        pos_S, found_S = corpus_index(corpus, self.before_target[item])
-        rows_S = torch.repeat_interleave(torch.arange(len(self.user_ids_B)), self.before_target_len_B)
-        counts_B = torch.bincount(rows_S[found_S], minlength=len(self.user_ids_B))
-        return pos_S[found_S], torch.ops.fbgemm.asynchronous_complete_cumsum(counts_B)
-
 
 # --------------------------------------------------------------------------- scoring
-
-
-def _target_ranks(scores_BN: torch.Tensor, target_ids_B: torch.Tensor, corpus: torch.Tensor,
-                  seen: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Full-corpus rank of each target (seen items excluded); targets outside the corpus rank N."""
-    target_pos_B, found_B = corpus_index(corpus, target_ids_B)
-    ranks_B = rank_of_target(scores_BN, target_pos_B, seen).cpu()
-    return torch.where(found_B, ranks_B, torch.full_like(ranks_B, len(corpus)))
 
 
 @torch.no_grad()
@@ -294,8 +278,10 @@ def _score_retrieval(scored: _Scored, rows: _Rows) -> torch.Tensor:
     if not bool(torch.isfinite(user_BD).all()):
         bad = int(batch.user_ids_B[~torch.isfinite(user_BD).all(1)][0])
         raise ValueError(f"{scored.source}: the model gives NaN / inf user embeddings (user {bad}): NaN scores")
-    return _target_ranks(user_BD @ scored.item_emb_ND.T, batch.targets_B, scored.item_corpus,
-                         rows.seen(scored.features.item, scored.item_corpus))
+    # "Seen" is every event before the target, not only the model's window.
+    item = scored.features.item
+    return target_ranks(user_BD @ scored.item_emb_ND.T, batch.targets_B, scored.item_corpus,
+                        rows.before_target[item], rows.before_target_len_B)
 
 
 @torch.no_grad()
@@ -461,9 +447,8 @@ def run_evaluation(
                 scored.ranking.update(cand_users_C, probs_CL, labels_CL)
                 scored.ranking_slices.update(ranking_slices, cand_users_C, probs_CL, labels_CL)
 
-        seen = rows.seen(data_features.item, data_corpus)
-        pop_ranks_B = _target_ranks(popularity.scores(batch.batch_size), rows.target_B[data_features.item],
-                                    data_corpus, seen)
+        pop_ranks_B = target_ranks(popularity.scores(batch.batch_size), rows.target_B[data_features.item],
+                                   data_corpus, rows.before_target[data_features.item], rows.before_target_len_B)
         pop_acc[0].update_ranks(pop_ranks_B)
         pop_acc[1].update(retrieval_slices, pop_ranks_B)
         if pop_acc[2] is not None:

@@ -25,20 +25,29 @@ def corpus_index(item_corpus: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Te
     return pos, found
 
 
+def target_ranks(
+    scores_BN: torch.Tensor, target_ids_B: torch.Tensor, item_corpus: torch.Tensor,
+    seen_ids_S: torch.Tensor, seen_lengths_B: torch.Tensor,
+) -> torch.Tensor:
+    """0-based rank of each target among the corpus scores, the user's seen items (jagged ids,
+    those outside the corpus ignored) excluded; a target outside the corpus ranks N: int64 [B]."""
+    num_users = len(target_ids_B)
+    target_pos_B, target_found_B = corpus_index(item_corpus, target_ids_B)
+    seen_pos_S, seen_found_S = corpus_index(item_corpus, seen_ids_S)
+    rows_S = torch.repeat_interleave(torch.arange(num_users), seen_lengths_B)
+    counts_B = torch.bincount(rows_S[seen_found_S], minlength=num_users)
+    seen = (seen_pos_S[seen_found_S], torch.ops.fbgemm.asynchronous_complete_cumsum(counts_B))
+    ranks_B = rank_of_target(scores_BN, target_pos_B, seen).cpu()
+    return torch.where(target_found_B, ranks_B, torch.full_like(ranks_B, len(item_corpus)))
+
+
 def batch_ranks(
     model: GenerativeRecommender, batch: Batch, item_corpus: torch.Tensor, item_emb_ND: torch.Tensor
 ) -> torch.Tensor:
-    """0-based full-corpus rank of each user's target, seen items excluded: int64 [B]."""
+    """Full-corpus rank of each user's target with the batch's history items excluded."""
     user_BD = model.user_embeddings(batch)
-    scores_BN = user_BD @ item_emb_ND.T
-    target_pos, target_found = corpus_index(item_corpus, batch.targets_B)
-    seen_ids = batch.history[model.features.item].values()
-    seen_pos, seen_found = corpus_index(item_corpus, seen_ids)
-    rows = torch.repeat_interleave(torch.arange(batch.batch_size), batch.history_lengths_B)
-    exclude_BN = torch.zeros_like(scores_BN, dtype=torch.bool)
-    exclude_BN[rows[seen_found], seen_pos[seen_found]] = True
-    ranks = rank_of_target(scores_BN, target_pos, exclude_BN)
-    return torch.where(target_found, ranks, torch.full_like(ranks, len(item_corpus)))
+    return target_ranks(user_BD @ item_emb_ND.T, batch.targets_B, item_corpus,
+                        batch.history[model.features.item].values(), batch.history_lengths_B)
 
 
 @torch.no_grad()
