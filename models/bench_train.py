@@ -101,13 +101,11 @@ import json, sys, time
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import load_config
 from genrec.models.distributed import init_distributed
+from genrec.models.bench_train import _cycle
 from genrec.models.trainer import Trainer
 cfg = load_config(JobConfig, sys.argv[1], json.loads(sys.argv[2]))
 trainer = Trainer(cfg, init_distributed())
-def cycle(loader):
-    while True:
-        yield from loader
-batches = cycle(trainer.loader)
+batches = _cycle(trainer.loader)
 trainer.train_step(next(batches))
 t0 = time.perf_counter(); samples = 0
 for _ in range(int(sys.argv[3])):
