@@ -25,7 +25,6 @@ import pyarrow.parquet as pq
 
 from genrec.data.config import FeatureSpec
 from genrec.data.loader import LoaderConfig, make_loader
-from genrec.data.prepare import SplitConfig
 from genrec.data.synth import synthesize
 
 _CHILD = """

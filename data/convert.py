@@ -48,7 +48,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 from tqdm import tqdm
 
-from genrec.data.partwriter import PartWriter, check_output_dir
+from genrec.data.files import claim_output_dir
+from genrec.data.partwriter import PartWriter
 from genrec.data.schema import ACTION_CLICK, ACTION_IMPRESSION, hash_string_id
 
 MANIFEST_NAME = "convert_manifest.json"
@@ -93,7 +94,7 @@ def convert(source: Literal["movielens", "sasrec-txt", "s3rec-txt", "criteo"], i
         for name, col in (("criteo_user_column", criteo_user_column), ("criteo_item_column", criteo_item_column)):
             if col is not None and col not in CRITEO_COLUMNS[1:]:
                 raise ValueError(f"convert: {name}={col!r} is not a Criteo feature column (I1..I13, C1..C26)")
-    check_output_dir(out_dir, overwrite=overwrite)
+    claim_output_dir(out_dir, overwrite=overwrite, manifest=MANIFEST_NAME)
 
     with PartWriter(out_dir, manifest_name=MANIFEST_NAME, overwrite=overwrite) as writer:
         sink = _Sink(writer, events_per_file, progress, desc=f"convert {source}")

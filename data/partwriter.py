@@ -15,23 +15,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-
-def check_output_dir(out_dir: str | os.PathLike, *, overwrite: bool) -> Path:
-    """Validate `out_dir` before any work starts: it must be absent, an empty folder, or
-    (with `overwrite`) a folder to replace."""
-    out = Path(out_dir)
-    if out.exists():
-        if not out.is_dir():
-            raise ValueError(f"output path {out} exists and is not a directory")
-        if any(out.iterdir()) and not overwrite:
-            raise ValueError(f"output directory {out} exists and is not empty (pass overwrite=True to replace it)")
-    return out
+from genrec.data.files import claim_output_dir, publish_dir, staging_dir
 
 
 class PartWriter:
@@ -40,16 +29,12 @@ class PartWriter:
 
     def __init__(self, out_dir: str | os.PathLike, *, manifest_name: str, overwrite: bool = False,
                  compression: str = "zstd") -> None:
-        self.out_dir = check_output_dir(out_dir, overwrite=overwrite)
+        self.out_dir = claim_output_dir(out_dir, overwrite=overwrite, manifest=manifest_name)
         self.manifest_name = manifest_name
-        self.overwrite = overwrite
         self.compression = compression
         self.files: list[str] = []
         self.num_rows = 0
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        # Staging beside the target (same filesystem) so the final rename is atomic.
-        self.staging = self.out_dir.parent / f".{self.out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.staging.mkdir()
+        self.staging = staging_dir(self.out_dir)
         self._done = False
 
     def write(self, table: pa.Table) -> str:
@@ -64,20 +49,9 @@ class PartWriter:
         with open(self.staging / self.manifest_name, "w") as f:
             json.dump(manifest, f, indent=2, sort_keys=True)
             f.write("\n")
-        out = self.out_dir
-        old = None
-        if out.exists():
-            if any(out.iterdir()):
-                # Re-checked here: the folder may have been filled while we were writing.
-                if not self.overwrite:
-                    raise ValueError(f"output directory {out} appeared and is not empty; refusing to replace it")
-                old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-                os.rename(out, old)
-            else:
-                out.rmdir()
-        os.rename(self.staging, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            f.flush()
+            os.fsync(f.fileno())
+        out = publish_dir(self.staging, self.out_dir, manifest=self.manifest_name)
         self._done = True
         return out
 

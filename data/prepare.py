@@ -43,12 +43,10 @@ with more events than a bucket holds.
 from __future__ import annotations
 
 import glob as globlib
-import hashlib
 import json
 import os
 import shutil
 import sys
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,9 +59,11 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from genrec.data.config import FeatureSpec
+from genrec.data.files import atomic_write_text, claim_output_dir, publish_dir, sha256_file, staging_dir
 from genrec.data.schema import hash_string_ids
 
 FORMAT_VERSION = "genrec.sequences/1"
+MANIFEST = "manifest.json"
 USER_COLUMN = "user_id"
 TS_COLUMN = "ts"
 SPLITS = ("train", "valid", "test")
@@ -153,9 +153,7 @@ def prepare(
         raise ValueError(f"memory_budget_mb must be >= 256, got {memory_budget_mb}")
     if num_shards < 1 or row_group_users < 1:
         raise ValueError(f"num_shards and row_group_users must be >= 1, got {num_shards}, {row_group_users}")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise ValueError(f"{out_dir}: output directory exists (pass overwrite=True to replace it)")
+    out_dir = claim_output_dir(out_dir, overwrite=overwrite, manifest=MANIFEST, format=FORMAT_VERSION)
 
     paths = _resolve_paths(log_paths_or_glob)
     logs = [_open_log(p, features) for p in paths]
@@ -173,10 +171,8 @@ def prepare(
     elif not 1 <= num_buckets <= _MAX_BUCKETS:
         raise ValueError(f"num_buckets must be in [1, {_MAX_BUCKETS}], got {num_buckets}")
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp_dir = staging_dir(out_dir)
     try:
-        tmp_dir.mkdir()
         spill_dir = tmp_dir / "_spill"
         spill_dir.mkdir()
         _pass1_spill(logs, features, columns, rec_dtype, spill_dir, num_buckets, total_rows, progress)
@@ -198,23 +194,16 @@ def prepare(
             },
             "sources": [
                 {"path": str(log.path.resolve()), "size": log.path.stat().st_size, "rows": log.num_rows,
-                 "sha256": _sha256(log.path)}
+                 "sha256": sha256_file(log.path)}
                 for log in logs
             ],
             "outputs": {
-                str(p.relative_to(tmp_dir)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                str(p.relative_to(tmp_dir)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
                 for p in sorted(tmp_dir.rglob("*.parquet"))
             },
         }
-        with open(tmp_dir / "manifest.json", "w") as f:
-            json.dump(manifest, f, indent=2)
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out_dir, old)
-            os.rename(tmp_dir, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp_dir, out_dir)
+        atomic_write_text(tmp_dir / MANIFEST, json.dumps(manifest, indent=2))
+        publish_dir(tmp_dir, out_dir, manifest=MANIFEST, format=FORMAT_VERSION)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
@@ -223,7 +212,7 @@ def prepare(
 
 def load_manifest(prepared_dir: str | os.PathLike) -> dict:
     """The manifest of a prepared directory; ValueError when it is not one."""
-    path = Path(prepared_dir) / "manifest.json"
+    path = Path(prepared_dir) / MANIFEST
     if not path.is_file():
         raise ValueError(f"{prepared_dir}: no manifest.json (not a prepared directory)")
     with open(path) as f:
@@ -580,11 +569,3 @@ class _ItemCounter:
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         self._merge()
         return self.ids, self.counts
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()

@@ -51,7 +51,8 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
-from genrec.data.partwriter import PartWriter, check_output_dir
+from genrec.data.files import claim_output_dir
+from genrec.data.partwriter import PartWriter
 from genrec.data.schema import ACTION_CLICK, ACTION_CONVERSION, ACTION_IMPRESSION
 
 MANIFEST_NAME = "synth_manifest.json"
@@ -397,7 +398,7 @@ def synthesize(out_dir: str | os.PathLike, *, num_users: int, num_items: int, nu
     """
     cfg = config or SynthConfig()
     _validate(num_users, num_items, num_events, events_per_file, seed, cfg)
-    check_output_dir(out_dir, overwrite=overwrite)
+    claim_output_dir(out_dir, overwrite=overwrite, manifest=MANIFEST_NAME)
     started = time.perf_counter()
     world_rng = np.random.default_rng(np.random.SeedSequence([seed, 0]))
     world = _World(world_rng, num_items, cfg)

@@ -1,6 +1,13 @@
 """genrec.dense: jagged per-event embeddings -> per-event sequence states (HSTU or Transformer).
 
-The tower knows nothing about embedding tables, data files or parallelism. Input is jagged:
+The tower knows nothing about embedding tables, data files or parallelism. Holds the
+tower and its blocks (HSTU, Transformer), the attention kernels (PyTorch reference, the C
+tile), jagged layouts, precision and parallelization helpers, and the tower's benchmark.
+
+May import: torch and fbgemm. Never `genrec.data`, `genrec.sparse` or `genrec.models` (a
+ground floor).
+
+Input is jagged:
 
     values_TD     float [T, D]   every row's tokens back to back
     offsets_B1    int64 [B + 1]  row b is values_TD[offsets_B1[b]:offsets_B1[b + 1]]

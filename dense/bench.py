@@ -54,6 +54,8 @@ def _train_step(tower, x, off, ts):
 
 
 def _time(fn, reps: int) -> float:
+    # Each ground floor (data/, sparse/, dense/) keeps its own timing loop: they import
+    # nothing from each other, and no shared place sits below them.
     fn()  # warm-up (also builds the fused tile on first use)
     best = float("inf")
     for _ in range(reps):

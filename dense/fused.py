@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from .bias import time_buckets
+
 _SRC = Path(__file__).parent / "csrc" / "hstu_tile.c"
 _lib: ctypes.CDLL | None | bool = False  # False: not tried yet
 
@@ -87,7 +89,7 @@ def tile_args(*, G, H, bq, K, N, i0, P, NB, ts, thr, ts_w, pos_w, pos, hist, alp
 
 
 def time_index(ts_GN: torch.Tensor, num_buckets: int, divisor: float) -> torch.Tensor:
-    """uint8 [G, N, N] time bucket of every pair (the C twin of kernels.time_buckets)."""
+    """uint8 [G, N, N] time bucket of every pair (the C twin of bias.time_buckets)."""
     G, N = ts_GN.shape
     ts_GN = ts_GN.contiguous()
     thr = time_thresholds(num_buckets, divisor)
@@ -103,8 +105,6 @@ def time_thresholds(num_buckets: int, divisor: float) -> torch.Tensor:
     """int64 [num_buckets + 2]: entry b is the smallest |dt| >= 1 whose bucket is >= b under
     the reference formula (found by bisection with that very formula, so the C side agrees
     with PyTorch bit for bit); entry 0 is 0, unreachable buckets and entry NB + 1 int64 max."""
-    from .kernels import time_buckets
-
     target = torch.arange(1, num_buckets + 1)
     lo = torch.ones(num_buckets, dtype=torch.long)            # bucket(lo) < target (or lo = 1)
     hi = torch.full((num_buckets,), 2**62, dtype=torch.long)  # candidate answer

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused as _fused
+from .bias import time_buckets
 from .jagged import JaggedLayout, LengthBucket
 
 
@@ -48,11 +49,6 @@ class HSTUAttentionParams:
     block_elems: int
     fused: bool = True
     """Chunked kernel: use the compiled fused tile (fused.py) for fp32/bf16 CPU tensors."""
-
-
-def time_buckets(dt: torch.Tensor, num_buckets: int, divisor: float) -> torch.Tensor:
-    """floor(log(max(|dt|, 1)) / divisor) clamped to [0, num_buckets] (the reference's bucketing)."""
-    return (torch.log(dt.abs().clamp(min=1).float()) / divisor).long().clamp(0, num_buckets)
 
 
 def relative_bias(pos_q: torch.Tensor, ts_q: torch.Tensor, pos_k: torch.Tensor, ts_k: torch.Tensor,

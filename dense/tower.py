@@ -34,7 +34,8 @@ from .config import TowerConfig
 from . import fused as _fused
 from .hstu import HSTUBlock
 from .jagged import JaggedLayout, make_layout
-from .kernels import hstu_target_attention_fused, relative_bias, time_buckets
+from .bias import time_buckets
+from .kernels import hstu_target_attention_fused, relative_bias
 from .transformer import TransformerBlock
 
 

@@ -24,7 +24,7 @@ from genrec.data.loader import make_loader
 from genrec.dense import build_tower, parallelize
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import to_dict
-from genrec.models.distributed import DistInfo
+from genrec.models.ranks import DistInfo
 from genrec.models.model import GenerativeRecommender
 from genrec.sparse import TieredEmbeddingCollection
 

@@ -17,8 +17,27 @@ from genrec.data.loader import LoaderConfig
 from genrec.data.prepare import PrepareConfig
 from genrec.dense.config import TowerConfig
 from genrec.models.model import ModelConfig
-from genrec.models.schedule import OptimConfig
 from genrec.sparse.config import SparseConfig
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW for the dense parameters plus a linear-warmup cosine schedule."""
+
+    lr: float = 1e-3
+    """Peak learning rate, reached at the end of warmup."""
+    weight_decay: float = 0.01
+    """Decoupled (AdamW) weight decay on matrices; norms and biases get none."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    """Adam (beta1, beta2)."""
+    eps: float = 1e-8
+    """Adam denominator epsilon."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from lr/warmup_steps up to lr."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio at the last step and stays there."""
+    grad_clip_norm: float | None = 1.0
+    """Clip the global dense-gradient L2 norm to this; None turns clipping off."""
 
 
 @dataclass(kw_only=True)

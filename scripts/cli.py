@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 BENCHES = ("data", "sparse", "dense", "train", "serve")
 
@@ -71,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="CPU threads for scoring")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests scored together")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a request waits for a batch to fill")
+    p.add_argument("--max-k", type=int, default=1000, help="largest K (retrieved candidates) a request may ask for")
+    p.add_argument("--max-history", type=int, default=None,
+                   help="history events used per request (default: the tower's max_seq_len - 1)")
 
     p = sub.add_parser("bench", help="benchmarks; prints and writes a JSON of figures and ratios")
     p.add_argument("name", choices=BENCHES)
@@ -93,11 +95,9 @@ def _write_json(obj: dict, path: str | None) -> None:
     text = json.dumps(obj, indent=2, sort_keys=True)
     print(text)
     if path:
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(out)
+        from genrec.data.files import atomic_write_text
+
+        atomic_write_text(path, text + "\n")
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -56,7 +56,7 @@ def prepare(args: argparse.Namespace) -> int:
 def train(args: argparse.Namespace) -> int:
     from genrec.models.config import JobConfig
     from genrec.models.config_loader import load_config
-    from genrec.models.trainer import run_training
+    from genrec.models.train.trainer import run_training
 
     cfg = load_config(JobConfig, args.config, args.overrides)
     run_training(cfg, resume=args.resume)
@@ -64,7 +64,7 @@ def train(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    from genrec.models.inference import export_checkpoint
+    from genrec.models.serving.export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote artifact {out}")
@@ -72,10 +72,12 @@ def export(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from genrec.models.server import serve as run_server
+    from genrec.models.serving.ranker import ServingConfig
+    from genrec.models.serving.server import serve as run_server
 
     run_server(args.artifact, host=args.host, port=args.port, threads=args.threads,
-               max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms)
+               max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
+               serving_cfg=ServingConfig(max_k=args.max_k, max_history=args.max_history))
     return 0
 
 
@@ -91,8 +93,8 @@ def bench(args: argparse.Namespace) -> dict | None:
         "data": "genrec.data.bench",
         "sparse": "genrec.sparse.bench",
         "dense": "genrec.dense.bench",
-        "train": "genrec.models.bench_train",
-        "serve": "genrec.models.bench_serve",
+        "train": "genrec.models.train.bench",
+        "serve": "genrec.models.serving.bench",
     }[args.name]
     try:
         run = importlib.import_module(module).run
@@ -104,7 +106,7 @@ def bench(args: argparse.Namespace) -> dict | None:
 
 
 def eval(args: argparse.Namespace) -> int:  # noqa: A001 - the subcommand's name
-    from genrec.models.evaluate import run_evaluation
+    from genrec.models.evaluation.evaluate import run_evaluation
 
     out = run_evaluation(
         args.checkpoint, args.data, split=args.split, out_dir=args.out, compare=args.compare, seed=args.seed

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
+DEMO_MANIFEST = "demo_manifest.json"
 
 
 def _say(message: str) -> None:
@@ -18,20 +19,20 @@ def _say(message: str) -> None:
 
 
 def run_demo(out: str | Path, *, overwrite: bool = False, steps: int = 300) -> dict:
+    from genrec.data.files import atomic_write_json, claim_output_dir
     from genrec.data.prepare import prepare
     from genrec.data.synth import synthesize
     from genrec.models.config import JobConfig
     from genrec.models.config_loader import load_config
-    from genrec.models.evaluate import run_evaluation
-    from genrec.models.inference import export_checkpoint
-    from genrec.models.serving import load_artifact
-    from genrec.models.trainer import run_training
+    from genrec.models.evaluation.evaluate import run_evaluation
+    from genrec.models.serving.export import export_checkpoint
+    from genrec.models.serving.ranker import load_artifact
+    from genrec.models.train.trainer import run_training
 
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{out} is not empty: pass --overwrite to start over, or another --out")
-        shutil.rmtree(out)
+    out = claim_output_dir(out, overwrite=overwrite, manifest=DEMO_MANIFEST)
+    if out.exists():
+        shutil.rmtree(out)  # empty, or a demo folder (its manifest says so)
+    atomic_write_json(out / DEMO_MANIFEST, {"format": "genrec.demo/1", "steps": steps})
     cfg = load_config(JobConfig, CONFIG, [
         f'data.path="{out / "data"}"', f'train.out_dir="{out / "run"}"', f"train.max_steps={steps}",
         f"train.checkpoint_every={max(steps // 2, 1)}",

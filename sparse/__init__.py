@@ -2,6 +2,11 @@
 
 A multi-tier (device / host DRAM / SSD), row-wise sharded embedding store whose sparse
 optimizer (row-wise Adagrad with FBGEMM semantics, Adam, SGD) runs fused into backward.
+Holds the store and its tiers, id hashing and ownership, the optimizers, atomic
+reshardable snapshots, the table planner and the store's benchmark.
+
+May import: torch, torch.distributed, torchrec's jagged types, fbgemm. Never `genrec.data`,
+`genrec.dense` or `genrec.models` (a ground floor).
 
 Worked example of the jagged input (2 users; item table shared by the history's item_id
 and the negatives' neg_item_id):

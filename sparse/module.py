@@ -251,11 +251,12 @@ class TieredEmbeddingCollection(nn.Module):
             out[name]["misses"] = s.misses
         return out
 
-    def save_snapshot(self, path: str) -> None:
-        """Atomic, checksummed snapshot of every table (collective when distributed)."""
+    def save_snapshot(self, path: str) -> list[str]:
+        """Atomic, checksummed snapshot of every table (collective when distributed);
+        returns the files this rank wrote."""
         from .snapshot import save_snapshot
 
-        save_snapshot(self, path)
+        return save_snapshot(self, path)
 
     def load_snapshot(self, path: str) -> None:
         """Load a snapshot saved under any world size (collective when distributed)."""

@@ -38,6 +38,8 @@ _LOAD_CHUNK_ROWS = 1 << 20
 
 
 def _fsync_dir(path: str) -> None:
+    # A copy of genrec.data.files.fsync_path: the ground floors (data/, sparse/, dense/)
+    # import nothing from each other, and no shared place sits below them.
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -103,8 +105,9 @@ def _dist(module) -> tuple[int, int]:
     return module.rank, module.world_size
 
 
-def save_snapshot(module, path: str) -> None:
-    """Write every table's shard of this rank; collective when the module is distributed."""
+def save_snapshot(module, path: str) -> list[str]:
+    """Write every table's shard of this rank; collective when the module is distributed.
+    Returns the paths of the files this rank wrote (rank 0: the manifest too)."""
     rank, world = _dist(module)
     token = [f"{time.time_ns():x}{os.getpid():x}"]
     if world > 1:
@@ -115,7 +118,7 @@ def save_snapshot(module, path: str) -> None:
         os.makedirs(vdir, exist_ok=True)
     except OSError as e:
         raise ValueError(f"cannot create snapshot directory {vdir}: {e}") from None
-    shards = {}
+    shards, written = {}, []
     for name, store in module.stores.items():
         stem = os.path.join(vdir, f"{name}.rank{rank}")
         writers = {k: _Writer(f"{stem}.{k}.bin") for k in ("ids", "rows", "meta")}
@@ -131,6 +134,7 @@ def save_snapshot(module, path: str) -> None:
         files["pending_counts"] = _write_tensor(stem + ".pending_counts.bin", p_counts)
         shards[name] = {"rank": rank, "num_rows": num_rows, "num_pending": int(p_ids.numel()),
                         "step": store.step, "files": files}
+        written += [os.path.join(vdir, f["file"]) for f in files.values()]
     gathered = [shards]
     if world > 1:
         gathered = [None] * world
@@ -158,12 +162,14 @@ def save_snapshot(module, path: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(path, MANIFEST))  # the commit point
+        written.append(os.path.join(path, MANIFEST))
         _fsync_dir(path)
         for entry in os.listdir(path):
             if entry.startswith("v") and entry != f"v{version}" and os.path.isdir(os.path.join(path, entry)):
                 shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
     if world > 1:
         dist.barrier(group=module.group)
+    return written
 
 
 def read_manifest(path: str) -> dict:

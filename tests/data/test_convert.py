@@ -202,9 +202,18 @@ def test_existing_output_dir(tmp_path):
     (out / "old.parquet").write_text("x")
     with pytest.raises(ValueError, match="not empty"):
         convert("sasrec-txt", [good], out, progress=False)
+    # --overwrite never deletes a folder genrec did not write: the foreign file survives.
+    with pytest.raises(ValueError, match=f"refusing to replace {out}"):
+        convert("sasrec-txt", [good], out, overwrite=True, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["old.parquet"]
+    (out / "old.parquet").unlink()
     with pytest.warns(PositionTimestampWarning):
+        convert("sasrec-txt", [good], out, progress=False)
+    (out / "part-00000.parquet").write_bytes(b"stale")
+    with pytest.warns(PositionTimestampWarning):  # a convert output of its own kind is replaced
         convert("sasrec-txt", [good], out, overwrite=True, progress=False)
     assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, "part-00000.parquet"]
+    assert (out / "part-00000.parquet").read_bytes() != b"stale"
     _assert_clean(tmp_path, ["good.txt", "out"])
 
 

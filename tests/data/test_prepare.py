@@ -8,7 +8,6 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq

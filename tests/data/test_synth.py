@@ -178,8 +178,15 @@ def test_existing_output_needs_overwrite(tmp_path):
     with pytest.raises(ValueError, match="not empty"):
         synthesize(out, **kw)
     assert (out / "keep.txt").exists()
+    # --overwrite replaces only a synth output: a foreign folder is refused and kept.
+    with pytest.raises(ValueError, match="refusing to replace"):
+        synthesize(out, overwrite=True, **kw)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    synthesize(out, **kw)
+    (out / "stale.txt").write_text("x")
     synthesize(out, overwrite=True, **kw)
-    assert not (out / "keep.txt").exists() and (out / MANIFEST_NAME).exists()
+    assert not (out / "stale.txt").exists() and (out / MANIFEST_NAME).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     # An existing empty folder is fine without overwrite.
     empty = tmp_path / "empty"

@@ -39,7 +39,6 @@ exported serving artifact (`models.artifact`; its fp32 / fp16 / int8 tables are 
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,24 +52,28 @@ from tqdm import tqdm
 
 from genrec.data.batch import Batch
 from genrec.data.config import FeatureSpec
+from genrec.data.files import sha256_file
 from genrec.data.loader import LoaderConfig, make_loader
 from genrec.data.prepare import load_manifest
-from genrec.models.metrics import (
+from genrec.models.evaluation.metrics import (
+    RankingMetrics,
+    RetrievalMetrics,
+    compare_models,
+    headline_cis,
+)
+from genrec.models.evaluation.slices import (
     POPULARITY_VALUES,
     USER_TYPE_VALUES,
     PopularityScorer,
-    RankingMetrics,
-    RetrievalMetrics,
     SlicedMetrics,
     bucket_labels,
-    compare_models,
-    headline_cis,
     length_buckets,
     popularity_buckets,
 )
 from genrec.models.model import GenerativeRecommender, interleave_jagged
-from genrec.models.report import collect_versions, write_report
-from genrec.models.validation import corpus_index, target_ranks
+from genrec.models.evaluation.report import collect_versions, write_report
+from genrec.models.evaluation.validation import target_ranks
+from genrec.models.ids import sorted_positions
 
 EVAL_KS = (10, 50, 200)
 """Retrieval cutoffs."""
@@ -127,7 +130,7 @@ class _ArtifactEmbeddings(torch.nn.Module):
 
 
 def _is_artifact(path: Path) -> bool:
-    from genrec.models.artifact import MANIFEST
+    from genrec.models.serving.artifact import MANIFEST
 
     return (path / MANIFEST).is_file() and not (path / "config.json").is_file()
 
@@ -138,7 +141,7 @@ def load_scored(path: str | Path, data_dir: Path) -> _Scored:
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
     if _is_artifact(path):
-        from genrec.models.serving import load_artifact
+        from genrec.models.serving.ranker import load_artifact
 
         ranker = load_artifact(path)
         model = ranker.model
@@ -153,7 +156,7 @@ def load_scored(path: str | Path, data_dir: Path) -> _Scored:
         return _Scored(name=name, source=str(path), model=model, features=ranker.features, tasks=ranker.tasks,
                        window=window, max_tokens=max_tokens, config=config)
     from genrec.models.config_loader import to_dict
-    from genrec.models.inference import load_trained, resolve_checkpoint
+    from genrec.models.runs import load_trained, resolve_checkpoint
 
     _, run_dir = resolve_checkpoint(path)
     # The item corpus comes from the data being evaluated, not from where the run trained.
@@ -324,7 +327,7 @@ def _read_item_counts(data_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _manifest_checksums(data_dir: Path, manifest: dict) -> dict[str, str]:
-    out = {"manifest.json": "sha256:" + hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest()}
+    out = {"manifest.json": "sha256:" + sha256_file(data_dir / "manifest.json")}
     for rel, info in sorted(manifest.get("outputs", {}).items()):
         out[rel] = f"sha256:{info['sha256']}"
     return out
@@ -423,8 +426,8 @@ def run_evaluation(
     for batch in loader:
         rows = _Rows.from_batch(batch, keys, split_dir)
         _check_labels(rows, list(data_features.labels), split_dir)
-        target_pos_B, target_found_B = corpus_index(data_corpus, rows.target_B[data_features.item])
-        cand_pos_C, cand_found_C = corpus_index(data_corpus, rows.candidates[data_features.item])
+        target_pos_B, target_found_B = sorted_positions(data_corpus, rows.target_B[data_features.item])
+        cand_pos_C, cand_found_C = sorted_positions(data_corpus, rows.candidates[data_features.item])
         n_before_B = rows.before_target_len_B.numpy()
         user_slices = {"user_type": np.where(n_before_B < new_user_events, "new", "returning"),
                        "history_length": length_buckets(n_before_B, HISTORY_EDGES)}

@@ -20,7 +20,7 @@ from train_helpers import FEATURES, tiny_config
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, Path]:
     """(run dir, prepared data dir) of a model trained for a few steps."""
-    from genrec.models.trainer import run_training
+    from genrec.models.train.trainer import run_training
 
     root = tmp_path_factory.mktemp("evalrun")
     synthesize(root / "logs", num_users=80, num_items=200, num_events=4000, seed=5, progress=False)
@@ -32,7 +32,7 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _evaluate(run: Path, data: Path, out: Path, **kwargs) -> dict:
-    from genrec.models.evaluate import run_evaluation
+    from genrec.models.evaluation.evaluate import run_evaluation
 
     kwargs.setdefault("num_resamples", 200)
     out_dir = run_evaluation(run, data, "test", out_dir=out, progress=False, **kwargs)
@@ -82,7 +82,7 @@ def _brute_force_ranks(run: Path, data: Path, users: int) -> dict[int, int]:
     corpus item with the model's own embeddings, drop seen items, count items scoring >= the
     target. Shares no code with the evaluator beyond the model."""
     from genrec.data.batch import Batch
-    from genrec.models.inference import load_trained
+    from genrec.models.runs import load_trained
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     cfg, model = load_trained(run)
@@ -111,7 +111,7 @@ def _brute_force_ranks(run: Path, data: Path, users: int) -> dict[int, int]:
 
 
 def test_retrieval_equals_brute_force_over_model_embeddings(trained, tmp_path):
-    from genrec.models.evaluate import load_scored, _Rows, _score_retrieval
+    from genrec.models.evaluation.evaluate import load_scored, _Rows, _score_retrieval
     from genrec.data.loader import LoaderConfig, make_loader
     from genrec.data.prepare import load_manifest
     from genrec.data.config import FeatureSpec
@@ -171,7 +171,7 @@ def _bad_labels(table: pa.Table) -> pa.Table:
 
 @pytest.mark.parametrize("case", ["features", "empty", "labels", "nan"])
 def test_bad_input_is_a_value_error_and_writes_no_report(trained, tmp_path, case, monkeypatch):
-    from genrec.models.evaluate import run_evaluation
+    from genrec.models.evaluation.evaluate import run_evaluation
 
     run, data = trained
     match = {"features": "feature spec does not match", "empty": "empty", "labels": "must be 0 or 1",
@@ -206,9 +206,9 @@ def test_bad_input_is_a_value_error_and_writes_no_report(trained, tmp_path, case
 
 
 def test_exported_artifact_evaluates_like_its_checkpoint(trained, report, tmp_path):
-    from genrec.models.artifact import export_artifact, item_features_from_events
+    from genrec.models.serving.artifact import export_artifact, item_features_from_events
     from genrec.models.config_loader import to_dict
-    from genrec.models.inference import load_trained
+    from genrec.models.runs import load_trained
 
     run, data = trained
     cfg, model = load_trained(run)

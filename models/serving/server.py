@@ -25,7 +25,6 @@ uvicorn's single event loop.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import queue
 import sys
@@ -41,7 +40,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from genrec.models.serving import Ranker, RankRequest, RequestError, ServingConfig, load_artifact
+from genrec.models.serving.ranker import Ranker, RankRequest, RequestError, ServingConfig, load_artifact
 
 
 class RankBody(BaseModel):
@@ -233,24 +232,3 @@ def serve(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 8080, *
           f"({threads} threads, batches <= {max_batch_size}, wait <= {max_wait_ms} ms, {asdict(cfg)})",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", workers=1, access_log=False)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m genrec.models.server", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--max-batch-size", type=int, default=16)
-    p.add_argument("--max-wait-ms", type=float, default=2.0)
-    p.add_argument("--max-k", type=int, default=1000, help="largest K a request may ask for")
-    p.add_argument("--max-history", type=int, default=None)
-    args = p.parse_args(argv)
-    serve(args.artifact, args.host, args.port, threads=args.threads, max_batch_size=args.max_batch_size,
-          max_wait_ms=args.max_wait_ms, serving_cfg=ServingConfig(max_k=args.max_k, max_history=args.max_history))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,20 +1,11 @@
 """Atomic, verified, multi-rank training checkpoints; RNG capture; stop signals.
 
-Layout of one checkpoint (world_size 2):
-
-    root/step-00000123/
-        dense.pt                       rank 0: model + optimizer + scheduler state dicts
-        rank-00000-of-00002/state.pt   per rank: loader position, RNG states, step, ...
-        rank-00000-of-00002/extra/     per rank: whatever `write_extra` put there (sparse snapshot)
-        rank-00001-of-00002/...
-        COMPLETE                       json: step, world_size, sha256 of every file, config
-    root/.tmp-step-00000124-4711/      a save in progress (or killed): never read, removed
-                                       by the next save
-
+The layout is `models/runs.py`'s (the read side, shared with evaluation and export).
 Every rank writes into the one temp dir; after all ranks have fsynced and reported their
 checksums, rank 0 writes COMPLETE last and renames the temp dir to step-N. A step dir
 without a valid COMPLETE is never trusted, so `kill -9` at any moment leaves the previous
-checkpoint as `latest()`.
+checkpoint as `latest()`. A save in progress (or killed) lives under `.tmp-...` and is
+removed by the next save.
 
 Usage in a training loop:
 
@@ -24,7 +15,7 @@ Usage in a training loop:
         dense, rank_state = ckpt.load(path, config_fingerprint=fingerprint)
         model.load_state_dict(dense["model"]); optimizer.load_state_dict(dense["optimizer"])
         restore_rng_state(rank_state["rng"]); step = rank_state["step"]
-        store.load_snapshot(ckpt.extra_dir(path))
+        store.load_snapshot(str(sparse_snapshot_dir(path)))
     stop = install_stop_signals()
     while step < total_steps:
         ...
@@ -33,14 +24,16 @@ Usage in a training loop:
                 step,
                 dense_state={"model": model.state_dict(), "optimizer": optimizer.state_dict()},
                 rank_state={"step": step, "loader": loader.state_dict(), "rng": capture_rng_state()},
-                write_extra=store.write_snapshot,  # called with this rank's empty extra dir
+                write_shared=lambda d: store.save_snapshot(str(d / "sparse")),  # -> files written
                 config_fingerprint=fingerprint,
             )
             if stop.should_stop(): break
 
 `save` and `StopFlag.should_stop` are collective when torch.distributed is initialized:
 every rank must call them at the same step. `load` reads dense.pt and this rank's own
-directory only; it does not reshard (the world size must match the one saved).
+directory only, and checks the sizes of the shared files (whose owner, e.g. the sparse
+snapshot, reads and verifies them under any world size); the dense part does not reshard
+(the world size must match the one saved).
 """
 
 from __future__ import annotations
@@ -49,7 +42,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import sys
@@ -62,35 +54,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-MARKER = "COMPLETE"
-DENSE_FILE = "dense.pt"
-RANK_STATE_FILE = "state.pt"
-FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_TMP_PREFIX = ".tmp-"
+from genrec.data.files import fsync_path, sha256_file
+from genrec.models.runs import (
+    DENSE_FILE, FORMAT_VERSION, MARKER, RANK_STATE_FILE, SHARED, TMP_PREFIX, complete_steps, latest_checkpoint,
+    rank_dir_name, read_marker, shared_dir, sparse_snapshot_dir, step_dir_name, verify_file,
+)
+
+__all__ = ["CheckpointManager", "StopFlag", "capture_rng_state", "install_stop_signals", "read_marker",
+           "restore_rng_state", "sparse_snapshot_dir"]
+_TMP_PREFIX = TMP_PREFIX
 
 
 def _dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _fsync_path(path: Path) -> None:
-    # Works for files and directories; a directory needs its own fsync so that a rename or
-    # a new entry in it survives a power cut.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _torch_save(obj: Any, path: Path) -> None:
@@ -127,18 +103,6 @@ def _plain_json(d: dict[str, object]) -> dict[str, object]:
     return json.loads(json.dumps(d, sort_keys=True))
 
 
-def read_marker(path: Path) -> dict[str, Any] | None:
-    """The parsed COMPLETE marker of a step dir, or None if absent or unreadable."""
-    try:
-        marker = json.loads((Path(path) / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    m = _STEP_DIR.match(Path(path).name)
-    if not isinstance(marker, dict) or m is None or marker.get("step") != int(m.group(1)):
-        return None
-    return marker
-
-
 class CheckpointManager:
     """Saves and finds checkpoints under `root_dir`; see the module docstring."""
 
@@ -162,11 +126,11 @@ class CheckpointManager:
 
     # ---- paths -------------------------------------------------------------------------
     def step_dir(self, step: int) -> Path:
-        return self.root / f"step-{step:08d}"
+        return self.root / step_dir_name(step)
 
     def rank_dir(self, path: str | Path) -> Path:
         """This rank's subdirectory of a checkpoint."""
-        return Path(path) / f"rank-{self.rank:05d}-of-{self.world_size:05d}"
+        return Path(path) / rank_dir_name(self.rank, self.world_size)
 
     def extra_dir(self, path: str | Path) -> Path:
         """Where `write_extra` wrote this rank's files (e.g. the sparse store snapshot)."""
@@ -174,26 +138,11 @@ class CheckpointManager:
 
     def complete_steps(self) -> list[tuple[int, Path]]:
         """(step, dir) of every checkpoint with a valid marker, oldest first."""
-        found = []
-        for p in self.root.iterdir() if self.root.is_dir() else []:
-            m = _STEP_DIR.match(p.name)
-            if m and p.is_dir() and read_marker(p) is not None:
-                found.append((int(m.group(1)), p))
-        return sorted(found)
+        return complete_steps(self.root)
 
     def latest(self, *, required: bool = False) -> Path | None:
-        """The newest complete checkpoint, or None. `required=True` (resume demanded) raises
-        FileNotFoundError instead of returning None, naming what was found."""
-        steps = self.complete_steps()
-        if steps:
-            return steps[-1][1]
-        if required:
-            others = sorted(p.name for p in self.root.iterdir()) if self.root.is_dir() else []
-            raise FileNotFoundError(
-                f"resume requested but {self.root} holds no complete checkpoint "
-                f"(a step-N dir with a valid {MARKER} marker); found: {others or 'nothing'}"
-            )
-        return None
+        """The newest complete checkpoint, or None (`required=True`: FileNotFoundError)."""
+        return latest_checkpoint(self.root, required=required)
 
     # ---- save --------------------------------------------------------------------------
     def save(
@@ -203,6 +152,7 @@ class CheckpointManager:
         dense_state: dict[str, Any] | None,
         rank_state: dict[str, Any],
         write_extra: Callable[[Path], None] | None = None,
+        write_shared: Callable[[Path], list[str]] | None = None,
         config_fingerprint: dict[str, object],
     ) -> Path:
         """Write checkpoint `step` atomically on every rank and return its directory.
@@ -211,6 +161,9 @@ class CheckpointManager:
         rank_state: this rank's loader position, RNG states, step, ... (tensors and
             plain values only, so loading never unpickles code).
         write_extra: called with this rank's empty `extra/` dir to write more files.
+        write_shared: called on every rank (collectively) with the checkpoint's `shared/`
+            dir, which all ranks write together; returns the files this rank wrote there,
+            which this rank then fsyncs and checksums into the marker.
         config_fingerprint: flat {config key: value} of everything that must match on
             resume (model shapes, tables, world layout); JSON values only.
         """
@@ -230,14 +183,24 @@ class CheckpointManager:
         _torch_save(rank_state, rank_dir / RANK_STATE_FILE)
         if write_extra is not None:
             write_extra(rank_dir / "extra")
-        # Checksums are computed by the rank that wrote the files, in parallel.
         mine = [tmp / DENSE_FILE] if self.rank == 0 else []
         mine += sorted(p for p in rank_dir.rglob("*") if p.is_file())
+        if write_shared is not None:
+            shared = shared_dir(tmp)
+            shared.mkdir(exist_ok=True)
+            if _dist_on():
+                dist.barrier()  # the folder exists before any rank writes into it
+            for f in write_shared(shared):
+                f = Path(f)
+                if not f.is_file() or shared.resolve() not in f.resolve().parents:
+                    raise ValueError(f"write_shared reported {f}, which is not a file under {shared}")
+                mine.append(f)
+        # Checksums are computed by the rank that wrote the files, in parallel.
         for p in mine:
-            _fsync_path(p)  # extra files were written by other code, maybe without fsync
+            fsync_path(p)  # extra files were written by other code, maybe without fsync
             manifest[p.relative_to(tmp).as_posix()] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
         for d in sorted({p.parent for p in mine}):
-            _fsync_path(d)
+            fsync_path(d)
 
         # The gather doubles as the barrier: no rank reports until its files are durable.
         manifests = [manifest]
@@ -262,13 +225,13 @@ class CheckpointManager:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp / (MARKER + ".partial"), tmp / MARKER)
-            _fsync_path(tmp)
+            fsync_path(tmp)
             replaced = None
             if final.exists():  # re-saving a step (resumed from an older one): move the old aside
                 replaced = self.root / f"{_TMP_PREFIX}replaced-{final.name}-{os.getpid()}"
                 os.replace(final, replaced)
             os.replace(tmp, final)
-            _fsync_path(self.root)
+            fsync_path(self.root)
             if replaced is not None:
                 shutil.rmtree(replaced, ignore_errors=True)
             self._prune()
@@ -300,14 +263,6 @@ class CheckpointManager:
             shutil.rmtree(doomed, ignore_errors=True)
 
     # ---- load --------------------------------------------------------------------------
-    @staticmethod
-    def verify_file(f: Path, meta: dict[str, Any]) -> None:
-        """Refuse a checkpoint file that is missing or differs from its marker entry."""
-        if not f.is_file():
-            raise ValueError(f"checkpoint file {f} is missing")
-        if f.stat().st_size != meta["bytes"] or sha256_file(f) != meta["sha256"]:
-            raise ValueError(f"checkpoint file {f} is corrupt or truncated (checksum mismatch)")
-
     def load(
         self, path: str | Path, *, config_fingerprint: dict[str, object]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -333,7 +288,10 @@ class CheckpointManager:
         if DENSE_FILE not in mine or prefix + RANK_STATE_FILE not in mine:
             raise ValueError(f"{path / MARKER} lists no {DENSE_FILE} or {prefix}{RANK_STATE_FILE}")
         for rel, meta in sorted(mine.items()):
-            self.verify_file(path / rel, meta)
+            verify_file(path / rel, meta)
+        for rel, meta in sorted(marker["files"].items()):
+            if rel.startswith(SHARED + "/"):  # read and CRC-checked by their owner, under any world size
+                verify_file(path / rel, meta, checksum=False)
         dense = torch.load(path / DENSE_FILE, map_location="cpu", weights_only=True)
         rank_state = torch.load(path / prefix / RANK_STATE_FILE, map_location="cpu", weights_only=True)
         return dense, rank_state

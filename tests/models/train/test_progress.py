@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from genrec.models.progress import ProgressLogger, RateMeter
+from genrec.models.train.progress import ProgressLogger, RateMeter
 
 
 def test_jsonl_and_tensorboard_hold_the_logged_metrics(tmp_path: Path, capsys) -> None:

@@ -40,7 +40,6 @@ import logging
 import os
 import platform
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +48,8 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from genrec.models.checkpoint import sha256_file
+from genrec.data.files import claim_output_dir, publish_dir, sha256_file, staging_dir
+from genrec.models.ids import sorted_positions
 
 FORMAT = "genrec.artifact/1"
 MANIFEST = "manifest.json"
@@ -111,11 +111,7 @@ class ServingTable:
 
     def positions(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(row index clamped into range, found mask) of each id."""
-        n = self.ids_N.numel()
-        if n == 0:
-            return torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool)
-        pos = torch.searchsorted(self.ids_N, ids).clamp(max=n - 1)
-        return pos, self.ids_N[pos] == ids
+        return sorted_positions(self.ids_N, ids)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), D]; ids never seen in training read the default row (zeros)."""
@@ -223,8 +219,7 @@ def item_features_from_events(item_ids: torch.Tensor, event_item_ids_E: torch.Te
     order = torch.argsort(item_ids)
     sorted_ids = item_ids[order]
     ev = torch.as_tensor(event_item_ids_E).long()
-    pos = torch.searchsorted(sorted_ids, ev).clamp(max=max(len(sorted_ids) - 1, 0))
-    hit = sorted_ids[pos] == ev if len(sorted_ids) else torch.zeros_like(ev, dtype=torch.bool)
+    pos, hit = sorted_positions(sorted_ids, ev)
     out = {}
     for f, values in event_features.items():
         values = torch.as_tensor(values).long()
@@ -265,9 +260,7 @@ def export_artifact(
     `torch.export` trace (tests that do not need it; the manifest then says so).
     The directory is written under a temporary name and renamed into place.
     """
-    out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"artifact directory {out} exists (pass overwrite=True to replace it)")
+    out = claim_output_dir(out_dir, overwrite=overwrite, manifest=MANIFEST, format=FORMAT)
     if dtype not in ("fp32", "fp16", "int8"):
         raise ValueError(f"export dtype must be one of 'fp32', 'fp16', 'int8', got {dtype!r}")
     spec = model.features
@@ -290,8 +283,7 @@ def export_artifact(
     if item_ids.numel() > 1 and bool((item_ids[1:] == item_ids[:-1]).any()):
         raise ValueError("export: item_ids contains duplicates")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = staging_dir(out)
     try:
         was_training = model.training
         model.eval()
@@ -353,14 +345,12 @@ def export_artifact(
             "files": files,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        # mkdtemp makes the directory private; the artifact is meant to be read by servers.
+        # The artifact is meant to be read by servers under other users.
         umask = os.umask(0)
         os.umask(umask)
         for path in [tmp, *tmp.rglob("*")]:
             os.chmod(path, (0o755 if path.is_dir() else 0o644) & ~umask)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        publish_dir(tmp, out, manifest=MANIFEST, format=FORMAT)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from genrec.data.config import FeatureSpec
-from genrec.models.artifact import ArtifactContents, ServingTable, load_artifact_contents
+from genrec.models.ids import sorted_positions
+from genrec.models.serving.artifact import ArtifactContents, ServingTable, load_artifact_contents
 from genrec.models.model import GenerativeRecommender, ModelConfig
 
 RETRIEVAL = "retrieval"
@@ -243,7 +244,7 @@ class Ranker:
         spec = self.features
         items = torch.tensor(req.item_ids, dtype=torch.int64)[order]
         feats = {spec.item: (items, None), spec.action: (torch.tensor(req.actions, dtype=torch.int64)[order], None)}
-        pos, known = self._item_positions(items)
+        pos, known = sorted_positions(self.item_ids_N, items)
         for f in self.side_features:
             if f in req.features:
                 feats[f] = (torch.tensor(req.features[f], dtype=torch.int64)[order], None)
@@ -253,11 +254,6 @@ class Ranker:
         request_time = int(ts[-1]) if req.request_time is None else req.request_time
         return {"features": feats, "timestamps": ts, "length": int(items.numel()), "truncated": truncated,
                 "items": items, "request_time": request_time}
-
-    def _item_positions(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.item_ids_N.numel()
-        pos = torch.searchsorted(self.item_ids_N, ids).clamp(max=n - 1)
-        return pos, self.item_ids_N[pos] == ids
 
     def _rows(self, feature: str, ids: torch.Tensor, known: torch.Tensor | None) -> torch.Tensor:
         rows = self.table_of[feature].lookup(ids)
@@ -292,7 +288,7 @@ class Ranker:
     def _filters(self, req: RankRequest, hist: dict) -> dict[str, torch.Tensor]:
         masks = {}
         if req.exclude_seen:
-            pos, known = self._item_positions(hist["items"])
+            pos, known = sorted_positions(self.item_ids_N, hist["items"])
             masks["exclude"] = pos[known]
         if req.allowed_advertisers is not None:
             adv = self.item_side[self.cfg.advertiser_feature]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from genrec.models.checkpoint import (
+from genrec.models.train.checkpoint import (
     MARKER,
     CheckpointManager,
     capture_rng_state,
@@ -62,6 +62,40 @@ def test_round_trip_and_layout(tmp_path: Path) -> None:
     torch.testing.assert_close(dense["model"]["weight"], torch.full((3, 4), 7.0))
     assert dense["optimizer"]["state"][0]["exp_avg"].shape == (3, 4)
     assert (mgr.extra_dir(path) / "shard.bin").read_bytes() == bytes(range(256)) * 4
+
+
+def test_shared_files_are_in_the_layout_and_checksummed(tmp_path: Path) -> None:
+    from genrec.models.runs import load_trained, shared_dir, verify_shared
+
+    def shared(d: Path) -> list[Path]:
+        (d / "sparse").mkdir()
+        (d / "sparse" / "t.rank0.rows.bin").write_bytes(b"rows" * 64)
+        return [d / "sparse" / "t.rank0.rows.bin"]
+
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
+    path = _save(mgr, 3, write_shared=shared)
+    marker = json.loads((path / MARKER).read_text())
+    meta = marker["files"]["shared/sparse/t.rank0.rows.bin"]
+    assert meta["bytes"] == 256 and len(meta["sha256"]) == 64
+    verify_shared(path, marker, checksum=True)
+    rows = shared_dir(path) / "sparse" / "t.rank0.rows.bin"
+    rows.write_bytes(b"ROWS" * 64)  # same size, other bytes: only the checksum sees it
+    mgr.load(path, config_fingerprint=dict(FP))  # the owner (the snapshot's CRCs) checks content
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        verify_shared(path, marker, checksum=True)
+    rows.write_bytes(b"rows")  # truncated: every load refuses it
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        mgr.load(path, config_fingerprint=dict(FP))
+    with pytest.raises(ValueError, match="neither a run directory"):
+        load_trained(path)  # a bare checkpoint outside a run directory
+
+    def outside(d: Path) -> list[Path]:
+        (tmp_path / "elsewhere.bin").write_bytes(b"x")
+        return [tmp_path / "elsewhere.bin"]
+
+    with pytest.raises(ValueError, match="not a file under"):
+        _save(mgr, 4, write_shared=outside)
+    assert mgr.latest() == path
 
 
 def test_rng_state_survives_weights_only_checkpoint(tmp_path: Path) -> None:
@@ -164,7 +198,7 @@ def test_non_plain_state_is_refused_at_save_time(tmp_path: Path) -> None:
 _CHILD = textwrap.dedent("""
     import sys, time, torch
     from pathlib import Path
-    from genrec.models.checkpoint import CheckpointManager
+    from genrec.models.train.checkpoint import CheckpointManager
     root, mode = Path(sys.argv[1]), sys.argv[2]
     mgr = CheckpointManager(root, keep_last=2, rank=0, world_size=1)
     def slow(d):

@@ -8,9 +8,9 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from genrec.data.batch import Batch
-from genrec.models.artifact import export_artifact
-from genrec.models.bench_serve import build_synthetic_model, synthetic_request
-from genrec.models.serving import RankRequest, RequestError, ServingConfig, load_artifact
+from genrec.models.serving.artifact import export_artifact
+from genrec.models.serving.bench import build_synthetic_model, synthetic_request
+from genrec.models.serving.ranker import RankRequest, RequestError, ServingConfig, load_artifact
 
 NUM_ITEMS = 400
 INT8_PROB_TOLERANCE = 0.01

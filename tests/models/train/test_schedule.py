@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from genrec.models.schedule import OptimConfig, build_dense_optimizer, warmup_cosine
+from genrec.models.train.schedule import OptimConfig, build_dense_optimizer, warmup_cosine
 
 
 class _Tower(torch.nn.Module):

@@ -19,7 +19,6 @@ Targets from the issue: p99 < 50 ms single stream; M-FALCON >= 10x recompute at 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -111,10 +110,10 @@ def _free_port() -> int:
 
 def start_server_process(artifact: Path, port: int, *, threads: int = 2, timeout_s: float = 120.0,
                          extra: list[str] | None = None) -> subprocess.Popen:
-    """`python -m genrec.models.server` on loopback; returns once /healthz answers."""
+    """`genrec serve` on loopback (in a child process); returns once /healthz answers."""
     import httpx
 
-    cmd = [sys.executable, "-m", "genrec.models.server", "--artifact", str(artifact), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "genrec.scripts.cli", "serve", "--artifact", str(artifact), "--host", "127.0.0.1",
            "--port", str(port), "--threads", str(threads)] + (extra or [])
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + timeout_s
@@ -190,8 +189,8 @@ def _time_calls(fn, n: int, budget_s: float) -> list[float]:
 
 
 def run(quick: bool) -> dict:
-    from genrec.models.artifact import export_artifact
-    from genrec.models.serving import ServingConfig, load_artifact
+    from genrec.models.serving.artifact import export_artifact
+    from genrec.models.serving.ranker import ServingConfig, load_artifact
 
     import httpx
 
@@ -336,7 +335,7 @@ def _stage_times(ranker, request: dict, k: int, repeats: int = 3) -> dict[str, f
 
 
 def _as_request(d: dict):
-    from genrec.models.serving import RankRequest
+    from genrec.models.serving.ranker import RankRequest
 
     return RankRequest(**d)
 

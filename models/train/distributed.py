@@ -8,23 +8,12 @@ process group. Backend: NCCL when CUDA is present, gloo on CPU.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+from genrec.models.ranks import DistInfo
 
 
 def init_distributed() -> DistInfo:
@@ -50,20 +39,6 @@ def init_distributed() -> DistInfo:
             dist.init_process_group(backend, store=dist.PrefixStore(f"genrec/restart-{restart}", store),
                                     rank=rank, world_size=world_size)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
-
-
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum plain numbers over ranks (identity without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def shutdown() -> None:

@@ -1,6 +1,6 @@
 """Evaluation report writer: report.json (flat keys), report.md (tables) and PNG plots.
 
-The input is a nested dict, mostly the `compute()` outputs of `genrec.models.metrics`:
+The input is a nested dict, mostly the `compute()` outputs of `genrec.models.evaluation.metrics`:
 
     {
       "name": "hstu-ml100k",                                   # optional, shown in report.md
@@ -31,12 +31,14 @@ import math
 import os
 import shutil
 import sys
-import tempfile
-import uuid
 from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from genrec.data.files import claim_output_dir, publish_dir, staging_dir
+
+REPORT_FILE = "report.json"
 
 META_KEYS = ("config", "data_manifest_checksums", "versions")
 """Keys every report carries, kept nested in report.json."""
@@ -284,14 +286,12 @@ def write_report(out_dir: str | os.PathLike, report: Mapping[str, Any], plots: b
     history_length / item_popularity slices when present), False for none, or a list of names:
     "calibration" or any slice column (e.g. a declared categorical column).
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"report output {out_dir} exists and is not a directory")
+    # A previous report is replaced; any other non-empty folder is refused.
+    out_dir = claim_output_dir(out_dir, overwrite=True, manifest=REPORT_FILE)
     payload = json.dumps(report_json(report), indent=2, allow_nan=False)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    tmp = staging_dir(out_dir)
     try:
-        (tmp / "report.json").write_text(payload + "\n")
+        (tmp / REPORT_FILE).write_text(payload + "\n")
         plot_files = []
         for name in _plot_names(report, plots):
             file = f"{name}.png"
@@ -301,16 +301,7 @@ def write_report(out_dir: str | os.PathLike, report: Mapping[str, Any], plots: b
                 _plot_slice(tmp / file, report, name)
             plot_files.append(file)
         (tmp / "report.md").write_text(_markdown(report, plot_files))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        if out_dir.exists():
-            # A directory cannot be renamed over a non-empty one: move the old report aside,
-            # put the new one in place, then delete the old one.
-            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex}"
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
+        publish_dir(tmp, out_dir, manifest=REPORT_FILE)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -67,8 +67,8 @@ def _cycle(loader):
 
 
 def _time_one_rank(cfg, steps: int) -> dict:
-    from genrec.models.distributed import init_distributed
-    from genrec.models.trainer import Trainer
+    from genrec.models.train.distributed import init_distributed
+    from genrec.models.train.trainer import Trainer
 
     trainer = Trainer(cfg, init_distributed())
     store = trainer.store
@@ -100,9 +100,9 @@ _TWO_RANKS = """
 import json, sys, time
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import load_config
-from genrec.models.distributed import init_distributed
-from genrec.models.bench_train import _cycle
-from genrec.models.trainer import Trainer
+from genrec.models.train.distributed import init_distributed
+from genrec.models.train.bench import _cycle
+from genrec.models.train.trainer import Trainer
 cfg = load_config(JobConfig, sys.argv[1], json.loads(sys.argv[2]))
 trainer = Trainer(cfg, init_distributed())
 batches = _cycle(trainer.loader)

@@ -9,20 +9,22 @@ import numpy as np
 import pytest
 import torch
 
-from genrec.models.metrics import (
-    POPULARITY_VALUES,
-    PopularityScorer,
+from genrec.models.evaluation.metrics import (
     RankingMetrics,
     RetrievalMetrics,
-    SlicedMetrics,
-    bucket_labels,
     compare_models,
     headline_cis,
+)
+from genrec.models.evaluation.slices import (
+    POPULARITY_VALUES,
+    PopularityScorer,
+    SlicedMetrics,
+    bucket_labels,
     item_counts,
     length_buckets,
     popularity_buckets,
 )
-from genrec.models.report import collect_versions, flatten, report_json, write_report
+from genrec.models.evaluation.report import collect_versions, flatten, report_json, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -9,11 +9,11 @@ import pickle
 import pytest
 import torch
 
-from genrec.models.artifact import (
+from genrec.models.serving.artifact import (
     ServingTable, dequantize_rows, export_artifact, load_artifact_contents, load_program, quantize_rows,
     verify_artifact,
 )
-from genrec.models.bench_serve import build_synthetic_model
+from genrec.models.serving.bench import build_synthetic_model
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def test_exported_program_reproduces_the_tower(tmp_path):
 
 
 def test_item_features_from_events_takes_the_last_event():
-    from genrec.models.artifact import item_features_from_events
+    from genrec.models.serving.artifact import item_features_from_events
 
     got = item_features_from_events(torch.tensor([7, 5, 9]), torch.tensor([7, 5, 7, 11]),
                                     {"advertiser_id": torch.tensor([2, 3, 4, 8])})
@@ -158,7 +158,7 @@ def test_tiered_store_rows_and_unseen_ids_match_the_store(tmp_path):
     from genrec.data.config import FeatureSpec
     from genrec.dense.config import TowerConfig
     from genrec.dense.tower import build_tower
-    from genrec.models.artifact import item_features_from_events
+    from genrec.models.serving.artifact import item_features_from_events
     from genrec.models.model import GenerativeRecommender, ModelConfig
     from genrec.sparse.config import SparseConfig, TableConfig
     from genrec.sparse.module import TieredEmbeddingCollection

@@ -11,9 +11,9 @@ import threading
 import httpx
 import pytest
 
-from genrec.models.artifact import export_artifact
-from genrec.models.bench_serve import build_synthetic_model, start_server_process, synthetic_request
-from genrec.models.serving import ServingConfig, load_artifact
+from genrec.models.serving.artifact import export_artifact
+from genrec.models.serving.bench import build_synthetic_model, start_server_process, synthetic_request
+from genrec.models.serving.ranker import ServingConfig, load_artifact
 
 NUM_ITEMS = 300
 

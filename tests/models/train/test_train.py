@@ -22,7 +22,7 @@ from genrec.models.config import JobConfig
 from genrec.models.config_loader import from_dict, to_dict
 from train_helpers import tiny_config
 
-GOLDEN = Path(__file__).parent.parent / "assets" / "golden_losses.json"
+GOLDEN = Path(__file__).parents[2] / "assets" / "golden_losses.json"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_golden_losses(prepared, tmp_path):
-    from genrec.models.trainer import run_training
+    from genrec.models.train.trainer import run_training
 
     losses = run_training(tiny_config(prepared, tmp_path / "run"))
     assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
@@ -57,7 +57,7 @@ def test_golden_losses(prepared, tmp_path):
 
 
 def test_resume_after_kill_matches_uninterrupted(prepared, tmp_path):
-    from genrec.models.trainer import run_training
+    from genrec.models.train.trainer import run_training
 
     steps = 40
     reference = run_training(tiny_config(prepared, tmp_path / "ref", max_steps=steps, checkpoint_every=10))
@@ -85,13 +85,13 @@ _RUN_FROM_JSON = """
 import json, sys
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import from_dict
-from genrec.models.trainer import run_training
+from genrec.models.train.trainer import run_training
 run_training(from_dict(JobConfig, json.loads(open(sys.argv[1]).read())))
 """
 
 
 def test_bad_resume_and_incompatible_checkpoint(prepared, tmp_path):
-    from genrec.models.trainer import run_training
+    from genrec.models.train.trainer import run_training
 
     with pytest.raises(FileNotFoundError, match="checkpoint"):
         run_training(tiny_config(prepared, tmp_path / "empty"), resume=True)
@@ -138,8 +138,8 @@ def _train_on(rank: int, world_size: int, port: int, cfg_json: str, result_path:
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from genrec.models.build import unwrap
-    from genrec.models.distributed import init_distributed, shutdown
-    from genrec.models.trainer import Trainer
+    from genrec.models.train.distributed import init_distributed, shutdown
+    from genrec.models.train.trainer import Trainer
 
     cfg = from_dict(JobConfig, json.loads(cfg_json))
     trainer = Trainer(cfg, init_distributed())
@@ -216,7 +216,7 @@ def _run_training(rank: int, world_size: int, port: int, cfg_json: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from genrec.models.trainer import run_training
+    from genrec.models.train.trainer import run_training
 
     run_training(from_dict(JobConfig, json.loads(cfg_json)))
 

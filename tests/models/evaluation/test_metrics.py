@@ -13,23 +13,25 @@ from sklearn.metrics import log_loss, roc_auc_score
 from torchmetrics.classification import BinaryAUROC
 from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR, RetrievalNormalizedDCG
 
-from genrec.models.metrics import (
-    POPULARITY_VALUES,
-    USER_TYPE_VALUES,
-    PopularityScorer,
+from genrec.models.evaluation.metrics import (
     RankingMetrics,
     RetrievalMetrics,
-    SlicedMetrics,
     binary_auc,
     bootstrap_ci,
     compare_models,
     headline_cis,
+    paired_bootstrap,
+    rank_of_target,
+)
+from genrec.models.evaluation.slices import (
+    POPULARITY_VALUES,
+    USER_TYPE_VALUES,
+    PopularityScorer,
+    SlicedMetrics,
     item_counts,
     length_buckets,
     new_vs_returning,
-    paired_bootstrap,
     popularity_buckets,
-    rank_of_target,
 )
 
 # --------------------------------------------------------------------------- retrieval

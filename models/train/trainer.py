@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,15 +22,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from genrec.data.files import atomic_write_text
 from genrec.data.loader import make_loader
 from genrec.models.build import build_model, eval_loader, config_fingerprint, dense_named_parameters, load_item_corpus
-from genrec.models.checkpoint import CheckpointManager, capture_rng_state, install_stop_signals, restore_rng_state
+from genrec.models.runs import CONFIG_FILE, sparse_snapshot_dir
+from genrec.models.train.checkpoint import CheckpointManager, capture_rng_state, install_stop_signals, restore_rng_state
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import to_dict
-from genrec.models.distributed import DistInfo, init_distributed, shutdown
-from genrec.models.progress import ProgressLogger
-from genrec.models.schedule import build_dense_optimizer, warmup_cosine
-from genrec.models.validation import evaluate_retrieval
+from genrec.models.ranks import DistInfo
+from genrec.models.train.distributed import init_distributed, shutdown
+from genrec.models.train.progress import ProgressLogger
+from genrec.models.train.schedule import build_dense_optimizer, warmup_cosine
+from genrec.models.evaluation.validation import evaluate_retrieval
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -122,9 +124,7 @@ class Trainer:
             saved = to_dict(cfg)
             # Absolute, so `genrec eval` / `export` find the data from any directory.
             saved["data"]["path"] = str(Path(cfg.data.path).resolve())
-            tmp = self.out_dir / f".config.json.{os.getpid()}"
-            tmp.write_text(json.dumps(saved, indent=2))
-            tmp.replace(self.out_dir / "config.json")
+            atomic_write_text(self.out_dir / CONFIG_FILE, json.dumps(saved, indent=2))
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -231,7 +231,7 @@ class Trainer:
             self.step, dense_state=dense_state, rank_state=rank_state,
             # One snapshot directory for all ranks (each writes its shards, rank 0 the
             # manifest): that is what makes it loadable under another world size.
-            write_extra=lambda rank_extra: self.store.save_snapshot(str(sparse_snapshot_dir(rank_extra.parent.parent))),
+            write_shared=lambda shared: self.store.save_snapshot(str(shared / "sparse")),
             config_fingerprint=self.fingerprint,
         )
 
@@ -248,11 +248,6 @@ class Trainer:
         self.step = int(rank_state["step"])
         if self.dist.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
-
-
-def sparse_snapshot_dir(checkpoint: Path) -> Path:
-    """Where a checkpoint keeps the sparse store's snapshot (verified by its own CRCs)."""
-    return checkpoint / "sparse"
 
 
 def store_hit_rates(stats: dict[str, dict[str, int]]) -> dict[str, float]:

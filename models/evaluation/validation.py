@@ -13,16 +13,10 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from genrec.data.batch import Batch
-from genrec.models.distributed import all_reduce_sum
-from genrec.models.metrics import RetrievalMetrics, rank_of_target
+from genrec.models.ids import sorted_positions
+from genrec.models.ranks import all_reduce_sum
+from genrec.models.evaluation.metrics import RetrievalMetrics, rank_of_target
 from genrec.models.model import GenerativeRecommender
-
-
-def corpus_index(item_corpus: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of `ids` in the sorted `item_corpus`, and whether each id is in it."""
-    pos = torch.searchsorted(item_corpus, ids).clamp_(max=max(len(item_corpus) - 1, 0))
-    found = item_corpus[pos] == ids if len(item_corpus) else torch.zeros_like(ids, dtype=torch.bool)
-    return pos, found
 
 
 def target_ranks(
@@ -32,8 +26,8 @@ def target_ranks(
     """0-based rank of each target among the corpus scores, the user's seen items (jagged ids,
     those outside the corpus ignored) excluded; a target outside the corpus ranks N: int64 [B]."""
     num_users = len(target_ids_B)
-    target_pos_B, target_found_B = corpus_index(item_corpus, target_ids_B)
-    seen_pos_S, seen_found_S = corpus_index(item_corpus, seen_ids_S)
+    target_pos_B, target_found_B = sorted_positions(item_corpus, target_ids_B)
+    seen_pos_S, seen_found_S = sorted_positions(item_corpus, seen_ids_S)
     rows_S = torch.repeat_interleave(torch.arange(num_users), seen_lengths_B)
     counts_B = torch.bincount(rows_S[seen_found_S], minlength=num_users)
     seen = (seen_pos_S[seen_found_S], torch.ops.fbgemm.asynchronous_complete_cumsum(counts_B))

@@ -1,0 +1,135 @@
+"""Safe output on disk: fsync, checksums, atomic files and folders, the overwrite rule.
+
+The one implementation for `data/` and every floor above it (`models/`, `scripts/`).
+`sparse/` and `dense/` are ground floors too and may not import this module; where they
+need the same thing they keep a short copy that says so.
+
+    out = claim_output_dir(args.out, overwrite=args.overwrite, manifest="manifest.json", format="x/1")
+    tmp = staging_dir(out)           # hidden, beside `out`: the final rename is atomic
+    ... write into tmp ...
+    publish_dir(tmp, out)            # readers see the old folder or the new one, never half
+
+The overwrite rule: an output folder may be absent or empty; a non-empty one is replaced
+only with `overwrite`, and only when it holds a genrec output of the same kind (its
+manifest, with the same format). Anything else is refused, naming the path, so that
+`--overwrite` never deletes what genrec did not write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory (a directory needs its own fsync so that a rename or a
+    new entry in it survives a power cut)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to `path` through a temp file in the same folder, fsync, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_path(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: str | os.PathLike, obj: object) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+class OutputExistsError(FileExistsError, ValueError):
+    """A non-empty output folder that may not be replaced (a ValueError too, so callers
+    that report bad input catch it)."""
+
+
+def holds_output(out: Path, manifest: str, format: str | None = None) -> bool:
+    """Whether folder `out` holds a genrec output of this kind: `out/manifest` is a JSON
+    object, with `"format": format` when `format` is given."""
+    try:
+        meta = json.loads((out / manifest).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and (format is None or meta.get("format") == format)
+
+
+def claim_output_dir(out_dir: str | os.PathLike, *, overwrite: bool, manifest: str,
+                     format: str | None = None, flag: str = "--overwrite") -> Path:
+    """Check `out_dir` before any work starts (see the module docstring); returns it as a
+    Path. Nothing is removed here: `publish_dir` replaces the folder at the end."""
+    out = Path(out_dir)
+    if not out.exists():
+        return out
+    if not out.is_dir():
+        raise OutputExistsError(f"output path {out} exists and is not a directory")
+    if not any(out.iterdir()):
+        return out
+    kind = f"{manifest}" + (f" with format {format!r}" if format else "")
+    if not overwrite:
+        raise OutputExistsError(f"output directory {out} exists and is not empty: pass {flag} to replace it "
+                         "(allowed only for a genrec output of the same kind), or choose another output")
+    if not holds_output(out, manifest, format):
+        raise OutputExistsError(f"refusing to replace {out}: it is not a genrec output of this kind (no {kind} in it); "
+                         "remove it yourself or choose another output")
+    return out
+
+
+def staging_dir(out: Path) -> Path:
+    """A fresh hidden folder beside `out` (same filesystem, so `publish_dir` is one rename)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; outputs are meant to be read by others
+    return tmp
+
+
+def publish_dir(staging: Path, out: Path, *, manifest: str | None = None, format: str | None = None) -> Path:
+    """Rename `staging` to `out`. An existing non-empty `out` is moved aside first and then
+    removed; with `manifest`, only if it still holds an output of that kind (it may have
+    been filled by someone else while we were writing)."""
+    old = None
+    if out.exists():
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        else:
+            if manifest is not None and not holds_output(out, manifest, format):
+                raise OutputExistsError(f"{out} appeared while writing and is not a genrec output of this kind; "
+                                 f"refusing to replace it (the new output is left in {staging})")
+            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+    os.rename(staging, out)
+    fsync_path(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
