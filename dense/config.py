@@ -52,6 +52,12 @@ class TowerConfig:
     """Learned absolute position embedding added to the input. "auto": none for HSTU (it has
     rab), absolute for the Transformer (SASRec). Candidates all take the position right
     after their row's history."""
+    input_scale: Literal["none", "sqrt_dim"] = "none"
+    """Multiply the input tokens by sqrt(embedding_dim) before adding positions (the public
+    HSTU / SASRec references do, so that N(0, 0.02)-initialized rows are not drowned by the
+    position embedding)."""
+    input_dropout: float = 0.0
+    """Dropout on the input tokens (after scaling and positions); the references use 0.2."""
     ffn_multiplier: int = 4
     """Transformer: FFN hidden width = ffn_multiplier * embedding_dim."""
     kernel: Literal["auto", "reference", "chunked", "sdpa"] = "auto"
@@ -80,8 +86,9 @@ class TowerConfig:
                      "attention_block_elems", "ffn_multiplier"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TowerConfig.{name} must be positive, got {getattr(self, name)}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"TowerConfig.dropout must be in [0, 1), got {self.dropout}")
+        for name in ("dropout", "input_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"TowerConfig.{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0.0 < self.bucket_min_fill <= 1.0:
             raise ValueError(f"TowerConfig.bucket_min_fill must be in (0, 1], got {self.bucket_min_fill}")
         if self.kind == "hstu" and self.kernel == "sdpa":

@@ -65,6 +65,8 @@ class SequenceTower(nn.Module):
                                    if cfg.uses_absolute_positions else None)
         if self.position_embedding is not None:
             nn.init.normal_(self.position_embedding.weight, std=0.02)
+        self.input_scale = cfg.embedding_dim ** 0.5 if cfg.input_scale == "sqrt_dim" else 1.0
+        self.input_dropout = nn.Dropout(cfg.input_dropout) if cfg.input_dropout > 0 else nn.Identity()
         # Pre-LN stacks need a final norm; HSTU's reference returns the residual stream as is.
         self.final_norm = (nn.LayerNorm(cfg.embedding_dim, eps=cfg.layer_norm_eps)
                            if cfg.kind == "transformer" else nn.Identity())
@@ -76,6 +78,14 @@ class SequenceTower(nn.Module):
                              f"got {tuple(values_TD.shape)}")
         if values_TD.shape[0] != int(offsets_B1[-1]):
             raise ValueError(f"{what} has {values_TD.shape[0]} rows but offsets end at {int(offsets_B1[-1])}")
+
+    def _embed_input(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Tokens as the first block sees them: scaled, plus absolute positions, dropout."""
+        if self.input_scale != 1.0:
+            x = x * self.input_scale
+        if self.position_embedding is not None:
+            x = x + self.position_embedding(positions)
+        return self.input_dropout(x)
 
     def _run_layers(self, x_TD: torch.Tensor, layout: JaggedLayout, keep_kv: bool = False):
         kvs = []
@@ -95,10 +105,7 @@ class SequenceTower(nn.Module):
         ranking candidates under the target-aware mask (None: plain causal)."""
         self._check_values(values_TD, offsets_B1, "values_TD")
         layout = make_layout(offsets_B1, timestamps_T, num_targets_B, self.cfg.max_seq_len)
-        x = values_TD
-        if self.position_embedding is not None:
-            x = x + self.position_embedding(layout.positions_T)
-        return self._run_layers(x, layout)[0]
+        return self._run_layers(self._embed_input(values_TD, layout.positions_T), layout)[0]
 
     @torch.no_grad()
     def encode_history(self, values_TD: torch.Tensor, offsets_B1: torch.Tensor,
@@ -106,10 +113,7 @@ class SequenceTower(nn.Module):
         """Causal encoding of the histories, keeping each layer's keys and values."""
         self._check_values(values_TD, offsets_B1, "values_TD")
         layout = make_layout(offsets_B1, timestamps_T, None, self.cfg.max_seq_len)
-        x = values_TD
-        if self.position_embedding is not None:
-            x = x + self.position_embedding(layout.positions_T)
-        states, kvs = self._run_layers(x, layout, keep_kv=True)
+        states, kvs = self._run_layers(self._embed_input(values_TD, layout.positions_T), layout, keep_kv=True)
         B, L = layout.batch_size, layout.max_len
         index = layout.padded_index()
 
@@ -157,9 +161,8 @@ class SequenceTower(nn.Module):
 
     def _score_micro_batch(self, cache: HistoryCache, x_BMD: torch.Tensor, ts_BM: torch.Tensor) -> torch.Tensor:
         hist_B = cache.history_lengths_B
-        if self.position_embedding is not None:
-            x_BMD = x_BMD + self.position_embedding(hist_B)[:, None, :]
         B, M, _ = x_BMD.shape
+        x_BMD = self._embed_input(x_BMD, hist_B[:, None].expand(B, M))
         L = cache.timestamps_BL.shape[1]
         # Bias indices depend only on positions and timestamps: once per micro-batch, not per layer.
         # The chunked kernel's fused tile scores candidates too; "reference" keeps plain PyTorch.

@@ -35,6 +35,9 @@ def build_store(cfg: JobConfig, dist_info: DistInfo) -> TieredEmbeddingCollectio
 
 
 def build_model(cfg: JobConfig, dist_info: DistInfo) -> tuple[nn.Module, TieredEmbeddingCollection]:
+    if cfg.model.retrieval and cfg.model.negatives == "in_batch" and cfg.data.loader.batch_size < 2:
+        raise ValueError("model.negatives = 'in_batch' needs data.loader.batch_size >= 2 "
+                         f"(got {cfg.data.loader.batch_size}): a batch of one has no other targets")
     store = build_store(cfg, dist_info)
     feature_dims = {f: t.embedding_dim for t in cfg.sparse.tables for f in t.feature_names}
     tower = parallelize(build_tower(cfg.dense), activation_checkpointing=cfg.dense.activation_checkpointing)
@@ -148,10 +151,13 @@ def eval_loader(cfg: JobConfig, split: str, *, rank: int = 0, world_size: int = 
     return make_loader(Path(cfg.data.path) / split, cfg.data.features, loader_cfg, rank=rank, world_size=world_size)
 
 
-def load_item_corpus(data_path: str | Path) -> torch.Tensor:
-    """Sorted int64 ids of the items in the prepared training split."""
+def load_item_corpus(data_path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted int64 ids of the items in the prepared training split, and their event counts."""
     path = Path(data_path) / "items.parquet"
     if not path.exists():
         raise ValueError(f"{path} not found: is {data_path} the output of `genrec prepare`?")
-    ids = torch.from_numpy(pq.read_table(path, columns=["item_id"]).column("item_id").to_numpy().copy())
-    return torch.sort(ids).values
+    table = pq.read_table(path, columns=["item_id", "count"])
+    ids = torch.from_numpy(table.column("item_id").to_numpy().copy())
+    counts = torch.from_numpy(table.column("count").to_numpy().copy()).long()
+    order = torch.argsort(ids)
+    return ids[order], counts[order]

@@ -59,7 +59,10 @@ class TrainConfig:
     out_dir: str = "runs/default"
     """Run directory: checkpoints/, metrics.jsonl, TensorBoard events."""
     max_steps: int = 1000
-    """Optimizer steps to train for (the schedule's length)."""
+    """Optimizer steps to train for (the schedule's length); ignored when `num_epochs` is set."""
+    num_epochs: int | None = None
+    """Train for this many passes over the training split instead of `max_steps` (steps per
+    epoch: training rows / (batch size * ranks), rounded up)."""
     seed: int = 0
     """Seeds parameters, negative sampling and the data order."""
     deterministic: bool = True
@@ -78,8 +81,15 @@ class TrainConfig:
     """Steps between metric lines (metrics.jsonl, TensorBoard, progress bar)."""
     eval_every: int = 0
     """Steps between validations (HR@10, NDCG@10 on the validation split); 0 = only at the end."""
+    eval_every_epochs: int = 0
+    """Validate every this many epochs instead (0: use `eval_every`)."""
     eval_max_users: int = 2000
-    """Validation users scored per validation (full item corpus each)."""
+    """Validation users scored per validation (full item corpus each); 0 = the whole split."""
+    best_metric: str | None = "ndcg@10"
+    """Validation metric ("hr@10", "ndcg@10" or "mrr") whose best value picks the `best`
+    checkpoint, which is never pruned and which `genrec eval` uses by default. None: off."""
+    early_stop_patience: int = 0
+    """Stop after this many validations without a new best (0: never stop early)."""
     tensorboard: bool = True
     """Also write TensorBoard event files."""
     dense_parallel: Literal["ddp"] = "ddp"

@@ -8,8 +8,9 @@ Worked example (feature spec sparse = ["item_id", "action", "category_id"], sum 
     history of user 7: items [11, 12, 13], actions [1, 0, 1], categories [4, 4, 9]
     token_t = E_item[item_t] + E_action[action_t] + E_category[category_t]      [3, D]
     states  = tower(tokens, offsets=[0, 3], timestamps)                          [3, D]
-    retrieval: states[0] predicts item 12, states[1] predicts item 13 (sampled softmax
-               against uniformly drawn negatives from the item corpus)
+    retrieval: states[0] predicts item 12, states[1] predicts item 13 (a softmax against
+               negatives: a shared uniform pool, per-position draws, the batch's other
+               targets, or the whole corpus; `ModelConfig.negatives`)
     ranking:   candidates [31, 32] get tokens without the action feature (unknown when
                serving), are appended after the history under the target-aware mask,
                and each candidate state goes through one MLP per task (click, conversion).
@@ -27,6 +28,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from genrec.data.batch import Batch
 from genrec.data.config import FeatureSpec
+from genrec.models.ids import sorted_positions
 
 
 @dataclass(kw_only=True)
@@ -40,10 +42,19 @@ class ModelConfig:
     """Train the ranking head (candidates after the history, one BCE per task)."""
     retrieval_weight: float = 1.0
     """Weight of the retrieval loss when both heads train."""
+    negatives: Literal["shared", "per_position", "in_batch", "full"] = "shared"
+    """The retrieval softmax's negatives. "shared": `num_negatives` items drawn uniformly
+    from the corpus, one pool for the whole batch; "per_position": `num_negatives` uniform
+    draws for every position (the HSTU / SASRec references); "in_batch": the batch's other
+    target items, with the logQ correction for their popularity; "full": every corpus item
+    (exact softmax, for corpora up to `full_softmax_max_items`)."""
     num_negatives: int = 128
-    """Uniformly sampled negative items per batch, shared by every position."""
+    """Negatives per batch ("shared") or per position ("per_position")."""
     in_batch_negatives: bool = False
-    """Also use the batch's other target items as negatives."""
+    """Also use the batch's other target items as negatives ("shared" / "per_position";
+    "in_batch" always does)."""
+    full_softmax_max_items: int = 200_000
+    """Largest corpus "full" accepts: above it, use "shared" with a large pool."""
     temperature: float = 0.05
     """Softmax temperature over cosine similarities."""
     min_target_action: int | None = None
@@ -119,6 +130,9 @@ class GenerativeRecommender(nn.Module):
             raise ValueError("model.task_weights needs one weight per model.ranking_tasks entry")
         if not (cfg.retrieval or cfg.ranking):
             raise ValueError("model: enable at least one of retrieval, ranking")
+        if cfg.negatives in ("shared", "per_position") and cfg.num_negatives < 1:
+            raise ValueError(f"model.num_negatives must be >= 1 with model.negatives = {cfg.negatives!r}, "
+                             f"got {cfg.num_negatives}")
         self.features = features
         self.cfg = cfg
         self.embeddings = embeddings
@@ -143,10 +157,21 @@ class GenerativeRecommender(nn.Module):
                 nn.Linear(dim, cfg.ranking_hidden_dim), nn.SiLU(), nn.Linear(cfg.ranking_hidden_dim, len(cfg.ranking_tasks))
             )
         self.register_buffer("item_corpus", torch.zeros(0, dtype=torch.int64), persistent=False)
+        self.item_log_q: torch.Tensor | None = None
 
-    def set_item_corpus(self, item_ids: torch.Tensor) -> None:
-        """The ids negatives are drawn from (the prepared data's item list)."""
+    def set_item_corpus(self, item_ids: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """The ids negatives are drawn from (the prepared data's item list, sorted), and
+        their training counts (the logQ correction of in-batch negatives)."""
         self.item_corpus = item_ids.to(torch.int64)
+        if self.cfg.negatives == "full" and self.item_corpus.numel() > self.cfg.full_softmax_max_items:
+            raise ValueError(
+                f"model.negatives = 'full' over {self.item_corpus.numel()} items exceeds "
+                f"model.full_softmax_max_items ({self.cfg.full_softmax_max_items}); use 'shared' with a large "
+                "model.num_negatives, or raise the limit")
+        self.item_log_q = None
+        if counts is not None:
+            q = counts.double().clamp(min=1)
+            self.item_log_q = torch.log(q / q.sum()).float()
 
     # ---- tokens -------------------------------------------------------------------------
 
@@ -191,14 +216,11 @@ class GenerativeRecommender(nn.Module):
     # ---- heads --------------------------------------------------------------------------
 
     def retrieval_loss(self, batch: Batch, states_TD: torch.Tensor, item_rows_TD: torch.Tensor) -> torch.Tensor:
-        """Sampled softmax: each position's state against the next event's item row and
-        `num_negatives` items drawn uniformly from the corpus (shared by the batch)."""
+        """Softmax of each position's state against the next event's item row and the
+        negatives that `model.negatives` names (cosine similarity / temperature)."""
+        cfg = self.cfg
         if self.item_corpus.numel() == 0:
             raise ValueError("retrieval needs the item corpus: call set_item_corpus() with the prepared item ids")
-        # The negatives are looked up even when no position is a target: the sharded store's
-        # forward and backward are collectives, so every rank makes the same calls each step.
-        neg_ids = self.item_corpus[torch.randint(len(self.item_corpus), (self.cfg.num_negatives,))]
-        neg_rows = self.item_rows(neg_ids.to(states_TD.device))
         item_ids_T = batch.history[self.features.item].values()
         lengths_B = batch.history_lengths_B
         offsets_B1 = batch.history_offsets_B1
@@ -207,25 +229,49 @@ class GenerativeRecommender(nn.Module):
         is_last[offsets_B1[1:][lengths_B > 0] - 1] = True
         src = torch.nonzero(~is_last).squeeze(-1)
         tgt = src + 1
-        if self.cfg.min_target_action is not None:
+        if cfg.min_target_action is not None:
             actions = batch.history[self.features.action].values()
-            keep = actions[tgt] >= self.cfg.min_target_action
+            keep = actions[tgt] >= cfg.min_target_action
             src, tgt = src[keep], tgt[keep]
-        if src.numel() == 0:
+        P, device = src.numel(), states_TD.device
+        # The negatives are looked up even when no position is a target: the sharded store's
+        # forward and backward are collectives, so every rank makes the same calls each step.
+        if cfg.negatives == "full":
+            neg_ids = self.item_corpus.to(device)
+        elif cfg.negatives == "per_position":
+            draws = torch.randint(len(self.item_corpus), (P * cfg.num_negatives,))
+            neg_ids = self.item_corpus[draws].to(device)
+        elif cfg.negatives == "shared":
+            neg_ids = self.item_corpus[torch.randint(len(self.item_corpus), (cfg.num_negatives,))].to(device)
+        else:  # in-batch only: no lookup, on every rank alike
+            neg_ids = item_ids_T.new_zeros(0)
+        neg_rows = self.item_rows(neg_ids) if neg_ids.numel() else states_TD.new_zeros(0, self.dim)
+        if P == 0:
             return (neg_rows.sum() + states_TD.sum() + item_rows_TD.sum()) * 0.0
         query = _normalize(states_TD[src])
         target_ids = item_ids_T[tgt]
         positive = _normalize(item_rows_TD[tgt])
-        negative = _normalize(neg_rows)
-        if self.cfg.in_batch_negatives:
-            neg_ids = torch.cat([neg_ids, target_ids])
-            negative = torch.cat([negative, positive])
         pos_logit = (query * positive).sum(-1, keepdim=True)
-        neg_logits = query @ negative.T
-        # An accidental hit (a negative that is the target itself) is not a negative.
-        neg_logits = neg_logits.masked_fill(neg_ids.unsqueeze(0) == target_ids.unsqueeze(1), float("-inf"))
-        logits = torch.cat([pos_logit, neg_logits], dim=1) / self.cfg.temperature
-        return F.cross_entropy(logits, torch.zeros(len(src), dtype=torch.long, device=logits.device))
+        logits = [pos_logit]
+        if cfg.negatives == "per_position":
+            negative = _normalize(neg_rows).view(P, cfg.num_negatives, -1)
+            neg_logits = torch.einsum("pd,pkd->pk", query, negative)
+            logits.append(neg_logits.masked_fill(neg_ids.view(P, -1) == target_ids[:, None], float("-inf")))
+        elif neg_ids.numel():
+            neg_logits = query @ _normalize(neg_rows).T
+            # An accidental hit (a negative that is the target itself) is not a negative.
+            logits.append(neg_logits.masked_fill(neg_ids[None, :] == target_ids[:, None], float("-inf")))
+        if cfg.negatives == "in_batch" or cfg.in_batch_negatives:
+            in_batch = query @ positive.T
+            if cfg.negatives == "in_batch" and self.item_log_q is not None:
+                # logQ: popular items are drawn as in-batch negatives more often; subtracting
+                # log q(item) (scaled to the logit's units) removes that sampling bias.
+                pos, _ = sorted_positions(self.item_corpus.to(device), target_ids)
+                in_batch = in_batch - cfg.temperature * self.item_log_q.to(device)[pos][None, :]
+            # Another position with the same target item is no negative (the diagonal included).
+            logits.append(in_batch.masked_fill(target_ids[None, :] == target_ids[:, None], float("-inf")))
+        logits = torch.cat(logits, dim=1) / cfg.temperature
+        return F.cross_entropy(logits, torch.zeros(P, dtype=torch.long, device=logits.device))
 
     def ranking_logits(self, cand_states_CD: torch.Tensor) -> torch.Tensor:
         return self.task_heads(cand_states_CD).float()

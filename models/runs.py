@@ -6,6 +6,7 @@
 Layout of a run directory (world_size 2), written by `models/train/checkpoint.py`:
 
     run/config.json                    the job config in effect
+    run/best.json                      the best-validation checkpoint: step, metric, value
     run/checkpoints/step-00000123/
         dense.pt                       rank 0: model + optimizer + scheduler state dicts
         rank-00000-of-00002/state.pt   per rank: loader position, RNG states, step, ...
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from genrec.data.files import sha256_file
+from genrec.data.files import atomic_write_json, sha256_file
 from genrec.models.build import build_model, load_item_corpus, unwrap
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import from_dict
@@ -38,6 +39,7 @@ from genrec.models.model import GenerativeRecommender
 from genrec.models.ranks import single_process
 
 CONFIG_FILE = "config.json"
+BEST_FILE = "best.json"
 CHECKPOINTS = "checkpoints"
 MARKER = "COMPLETE"
 DENSE_FILE = "dense.pt"
@@ -121,12 +123,34 @@ def latest_checkpoint(root: str | Path, *, required: bool = False) -> Path | Non
     return None
 
 
-def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """(checkpoint step dir, run dir) for a run dir or a step dir."""
+def read_best(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run's best-validation record ({step, metric, value, checkpoint}), or None."""
+    try:
+        best = json.loads((Path(run_dir) / BEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return best if isinstance(best, dict) and isinstance(best.get("step"), int) else None
+
+
+def write_best(run_dir: str | Path, best: dict[str, Any]) -> None:
+    atomic_write_json(Path(run_dir) / BEST_FILE, best)
+
+
+def resolve_checkpoint(path: str | Path, *, which: str = "best") -> tuple[Path, Path]:
+    """(checkpoint step dir, run dir) for a run dir or a step dir. For a run dir, `which`
+    picks its best-validation checkpoint ("best", falling back to the latest when the run
+    has none) or its newest ("latest")."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
+    if which not in ("best", "latest"):
+        raise ValueError(f"which checkpoint: 'best' or 'latest', got {which!r}")
     if (path / CONFIG_FILE).is_file():
+        best = read_best(path) if which == "best" else None
+        if best is not None:
+            step_dir = path / CHECKPOINTS / step_dir_name(best["step"])
+            if read_marker(step_dir) is not None:
+                return step_dir, path
         return latest_checkpoint(path / CHECKPOINTS, required=True), path
     run_dir = path.parent.parent
     if read_marker(path) is None or not (run_dir / CONFIG_FILE).is_file():
@@ -154,6 +178,6 @@ def load_trained(path: str | Path, *, overrides: dict | None = None) -> tuple[Jo
         raise ValueError(f"{dense_file} does not fit the model of {run_dir / CONFIG_FILE}: "
                          f"missing {missing}, unexpected {unexpected}")
     store.load_snapshot(str(sparse_snapshot_dir(step_dir)))
-    model.set_item_corpus(load_item_corpus(cfg.data.path))
+    model.set_item_corpus(*load_item_corpus(cfg.data.path))
     model.eval()
     return cfg, model

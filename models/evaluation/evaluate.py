@@ -156,14 +156,20 @@ def load_scored(path: str | Path, data_dir: Path) -> _Scored:
         return _Scored(name=name, source=str(path), model=model, features=ranker.features, tasks=ranker.tasks,
                        window=window, max_tokens=max_tokens, config=config)
     from genrec.models.config_loader import to_dict
-    from genrec.models.runs import load_trained, resolve_checkpoint
+    from genrec.models.runs import load_trained, read_best, resolve_checkpoint
 
-    _, run_dir = resolve_checkpoint(path)
+    step_dir, run_dir = resolve_checkpoint(path)
+    best = read_best(run_dir)
+    chosen = ("best-validation" if best is not None and step_dir.name == best["checkpoint"] else "latest")
+    detail = f" ({best['metric']} = {best['value']:.4f})" if chosen == "best-validation" else ""
+    print(f"genrec eval: {path} -> {chosen} checkpoint {step_dir.name}{detail}", file=sys.stderr, flush=True)
     # The item corpus comes from the data being evaluated, not from where the run trained.
-    cfg, model = load_trained(path, overrides={"data": {"path": str(data_dir)}})
+    cfg, model = load_trained(step_dir, overrides={"data": {"path": str(data_dir)}})
+    config = {**to_dict(cfg), "checkpoint": {"step_dir": step_dir.name, "chosen": chosen,
+                                             **({"best": best} if chosen == "best-validation" else {})}}
     return _Scored(name=run_dir.resolve().name, source=str(path), model=model, features=cfg.data.features,
                    tasks=list(cfg.model.ranking_tasks) if cfg.model.ranking else [],
-                   window=cfg.data.loader.max_seq_len, max_tokens=cfg.dense.max_seq_len, config=to_dict(cfg))
+                   window=cfg.data.loader.max_seq_len, max_tokens=cfg.dense.max_seq_len, config=config)
 
 
 def check_features(scored: _Scored, data: FeatureSpec, manifest_path: Path) -> None:

@@ -19,6 +19,11 @@ from genrec.models.evaluation.metrics import RetrievalMetrics, rank_of_target
 from genrec.models.model import GenerativeRecommender
 
 
+VALIDATION_KS = (10,)
+VALIDATION_METRICS = ("hr@10", "ndcg@10", "mrr")
+"""What the trainer's validation reports (and may select the best checkpoint by)."""
+
+
 def target_ranks(
     scores_BN: torch.Tensor, target_ids_B: torch.Tensor, item_corpus: torch.Tensor,
     seen_ids_S: torch.Tensor, seen_lengths_B: torch.Tensor,

@@ -122,6 +122,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.rank = rank
         self.world_size = world_size
+        self.pinned: set[int] = set()
+        """Steps never pruned (the best-validation checkpoint), beside the last `keep_last`."""
         self.root.mkdir(parents=True, exist_ok=True)
 
     # ---- paths -------------------------------------------------------------------------
@@ -234,7 +236,7 @@ class CheckpointManager:
             fsync_path(self.root)
             if replaced is not None:
                 shutil.rmtree(replaced, ignore_errors=True)
-            self._prune()
+            self.prune()
         if _dist_on():
             dist.barrier()  # nobody returns before the checkpoint is visible
         return final
@@ -255,8 +257,11 @@ class CheckpointManager:
             name = box[0]
         return self.root / name
 
-    def _prune(self) -> None:
-        for _, p in self.complete_steps()[: -self.keep_last]:
+    def prune(self) -> None:
+        """Remove complete checkpoints beyond the last `keep_last`, except pinned ones (rank 0)."""
+        for step, p in self.complete_steps()[: -self.keep_last]:
+            if step in self.pinned:
+                continue
             # Rename first: a half-deleted dir must not keep looking like a checkpoint.
             doomed = self.root / f"{_TMP_PREFIX}delete-{p.name}"
             os.replace(p, doomed)

@@ -11,6 +11,7 @@ dense parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -24,8 +25,9 @@ import torch
 
 from genrec.data.files import atomic_write_text
 from genrec.data.loader import make_loader
+from genrec.data.prepare import load_manifest
 from genrec.models.build import build_model, eval_loader, config_fingerprint, dense_named_parameters, load_item_corpus
-from genrec.models.runs import CONFIG_FILE, sparse_snapshot_dir
+from genrec.models.runs import CONFIG_FILE, read_best, sparse_snapshot_dir, step_dir_name, write_best
 from genrec.models.train.checkpoint import CheckpointManager, capture_rng_state, install_stop_signals, restore_rng_state
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import to_dict
@@ -33,7 +35,7 @@ from genrec.models.ranks import DistInfo
 from genrec.models.train.distributed import init_distributed, shutdown
 from genrec.models.train.progress import ProgressLogger
 from genrec.models.train.schedule import build_dense_optimizer, warmup_cosine
-from genrec.models.evaluation.validation import evaluate_retrieval
+from genrec.models.evaluation.validation import VALIDATION_KS, VALIDATION_METRICS, evaluate_retrieval
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -87,9 +89,13 @@ class _Prefetcher:
 
 class Trainer:
     def __init__(self, cfg: JobConfig, dist_info: DistInfo, *, resume: bool = False) -> None:
+        cfg = resolve_epochs(cfg, dist_info.world_size)
         self.cfg = cfg
         self.dist = dist_info
         tc = cfg.train
+        if tc.best_metric is not None and tc.best_metric not in VALIDATION_METRICS:
+            raise ValueError(f"train.best_metric {tc.best_metric!r} is not computed by validation; "
+                             f"choose one of {list(VALIDATION_METRICS)} or none")
         if tc.optim.warmup_steps > tc.max_steps:
             raise ValueError(
                 f"train.optim.warmup_steps ({tc.optim.warmup_steps}) must not exceed train.max_steps ({tc.max_steps})"
@@ -99,7 +105,7 @@ class Trainer:
         seed_everything(tc.seed, tc.deterministic)
         self.out_dir = Path(tc.out_dir)
         self.model, self.store = build_model(cfg, dist_info)
-        self.model.set_item_corpus(load_item_corpus(cfg.data.path))
+        self.model.set_item_corpus(*load_item_corpus(cfg.data.path))
         self.optimizer = build_dense_optimizer(dense_named_parameters(self.model), tc.optim)
         self.scheduler = warmup_cosine(
             self.optimizer, warmup_steps=tc.optim.warmup_steps, total_steps=tc.max_steps,
@@ -116,6 +122,11 @@ class Trainer:
         )
         self.fingerprint = config_fingerprint(cfg)
         self.step = 0
+        self.best = read_best(self.out_dir)
+        if self.best is not None:
+            self.checkpoints.pinned.add(int(self.best["step"]))
+        self.validations_since_best = 0
+        self.saved_step: int | None = None
         latest = self.checkpoints.latest(required=resume)
         if latest is not None:
             self._restore(latest)
@@ -190,19 +201,47 @@ class Trainer:
                     window = {"samples": 0, "tokens": 0, "t0": time.perf_counter()}
                     logger.log(self.step, parts)
                 if tc.eval_every and self.step % tc.eval_every == 0:
-                    logger.log(self.step, self.validate())
-                if self.step % tc.checkpoint_every == 0 and self.step < tc.max_steps:
+                    self._validate_and_keep_best(logger, loader_state)
+                    if tc.early_stop_patience and self.validations_since_best >= tc.early_stop_patience:
+                        logger.write(f"early stop at step {self.step}: no new best {tc.best_metric} in "
+                                     f"{self.validations_since_best} validations")
+                        break
+                if self.step % tc.checkpoint_every == 0 and self.step < tc.max_steps and self.saved_step != self.step:
                     self.save(loader_state)
-            self.save(loader_state)
+            if not stopped and not (tc.eval_every and self.step % tc.eval_every == 0):  # not validated just now
+                self._validate_and_keep_best(logger, loader_state)
+            if self.saved_step != self.step:
+                self.save(loader_state)
             if stopped:
                 logger.write(f"stopped by a signal at step {self.step}; checkpoint saved")
-            elif not (tc.eval_every and self.step % tc.eval_every == 0):  # not validated just now
-                logger.log(self.step, self.validate())
         finally:
             stop.restore()
             batches.close()
             logger.close()
         return losses
+
+    def _validate_and_keep_best(self, logger, loader_state: dict) -> None:
+        """Validate; on a new best `train.best_metric`, checkpoint this step and record it as
+        the run's best (kept from pruning)."""
+        result = self.validate()
+        logger.log(self.step, result)
+        metric = self.cfg.train.best_metric
+        value = result.get(f"valid/{metric}") if metric else None
+        if value is None or value != value:  # no validation split, or NaN
+            return
+        if self.best is not None and value <= self.best["value"]:
+            self.validations_since_best += 1
+            return
+        self.validations_since_best = 0
+        self.save(loader_state)
+        previous = None if self.best is None else int(self.best["step"])
+        self.best = {"step": self.step, "metric": f"valid/{metric}", "value": value,
+                     "checkpoint": step_dir_name(self.step)}
+        self.checkpoints.pinned = {self.step}
+        if self.dist.is_main:
+            write_best(self.out_dir, self.best)
+            if previous is not None and previous != self.step:
+                self.checkpoints.prune()  # the old best may go now
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -210,10 +249,12 @@ class Trainer:
         if not self.cfg.model.retrieval or not any(valid.glob("*.parquet")):
             return {}
         loader = eval_loader(self.cfg, "valid", rank=self.dist.rank, world_size=self.dist.world_size)
-        max_batches = -(-self.cfg.train.eval_max_users // (self.cfg.data.loader.batch_size * self.dist.world_size))
+        max_users = self.cfg.train.eval_max_users
+        max_batches = (-(-max_users // (self.cfg.data.loader.batch_size * self.dist.world_size))
+                       if max_users else None)
         self.model.eval()
         with self._autocast():
-            result = evaluate_retrieval(self.model, itertools.islice(loader, max_batches), ks=(10,))
+            result = evaluate_retrieval(self.model, itertools.islice(loader, max_batches), ks=VALIDATION_KS)
         self.model.train()
         return {f"valid/{k}": v for k, v in result.items()}
 
@@ -226,7 +267,8 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
         }
-        rank_state = {"step": self.step, "loader": loader_state, "rng": capture_rng_state()}
+        rank_state = {"step": self.step, "loader": loader_state, "rng": capture_rng_state(),
+                      "validations_since_best": self.validations_since_best}
         self.checkpoints.save(
             self.step, dense_state=dense_state, rank_state=rank_state,
             # One snapshot directory for all ranks (each writes its shards, rank 0 the
@@ -234,6 +276,7 @@ class Trainer:
             write_shared=lambda shared: self.store.save_snapshot(str(shared / "sparse")),
             config_fingerprint=self.fingerprint,
         )
+        self.saved_step = self.step
 
     def _restore(self, path: Path) -> None:
         dense_state, rank_state = self.checkpoints.load(path, config_fingerprint=self.fingerprint)
@@ -246,8 +289,34 @@ class Trainer:
         self.loader.load_state_dict(rank_state["loader"])
         restore_rng_state(rank_state["rng"])
         self.step = int(rank_state["step"])
+        self.saved_step = self.step
+        self.validations_since_best = int(rank_state.get("validations_since_best", 0))
+        if self.best is not None and int(self.best["step"]) > self.step:
+            self.best = None  # recorded by a later part of the run that this resume replays
         if self.dist.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
+
+
+def resolve_epochs(cfg: JobConfig, world_size: int) -> JobConfig:
+    """`cfg` with `train.num_epochs` / `train.eval_every_epochs` turned into steps (so that
+    config.json records the steps in effect)."""
+    tc = cfg.train
+    if tc.num_epochs is None and not tc.eval_every_epochs:
+        return cfg
+    rows = int(load_manifest(cfg.data.path)["counts"]["rows"]["train"])
+    per_step = cfg.data.loader.batch_size * world_size
+    steps_per_epoch = rows // per_step if cfg.data.loader.drop_last else -(-rows // per_step)
+    if steps_per_epoch < 1:
+        raise ValueError(f"train.num_epochs: the training split has {rows} rows, less than one batch "
+                         f"of {per_step} (data.loader.batch_size x ranks)")
+    tc = dataclasses.replace(tc)
+    if tc.num_epochs is not None:
+        if tc.num_epochs < 1:
+            raise ValueError(f"train.num_epochs must be >= 1, got {tc.num_epochs}")
+        tc.max_steps = tc.num_epochs * steps_per_epoch
+    if tc.eval_every_epochs:
+        tc.eval_every = tc.eval_every_epochs * steps_per_epoch
+    return dataclasses.replace(cfg, train=tc)
 
 
 def store_hit_rates(stats: dict[str, dict[str, int]]) -> dict[str, float]:

@@ -1,0 +1,163 @@
+"""The training protocol of the literature: epochs, validation, the best-validation
+checkpoint kept and evaluated, early stopping; and the retrieval losses' negatives."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from genrec.data.prepare import load_manifest, prepare
+from genrec.data.synth import synthesize
+from genrec.models.config_loader import to_dict
+from genrec.models.runs import BEST_FILE, read_marker, resolve_checkpoint
+from train_helpers import tiny_config
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("protocol")
+    synthesize(root / "logs", num_users=120, num_items=300, num_events=6000, seed=5, progress=False)
+    cfg = tiny_config(root / "data", root / "run")
+    prepare(root / "logs", root / "data", cfg.data.features, cfg.data.prepare.split, num_shards=2, row_group_users=32)
+    return root / "data"
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_epochs_become_steps_and_config_records_what_ran(prepared, tmp_path):
+    from genrec.models.train.trainer import run_training
+
+    cfg = tiny_config(prepared, tmp_path / "run", num_epochs=2, eval_every_epochs=1, checkpoint_every=1000)
+    losses = run_training(cfg)
+    rows = load_manifest(prepared)["counts"]["rows"]["train"]
+    per_epoch = -(-rows // cfg.data.loader.batch_size)
+    assert len(losses) == 2 * per_epoch
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["train"]
+    assert saved["max_steps"] == 2 * per_epoch and saved["eval_every"] == per_epoch
+    validated = [r["step"] for r in _records(tmp_path / "run") if "valid/ndcg@10" in r]
+    assert validated == [per_epoch, 2 * per_epoch]
+
+
+def test_best_checkpoint_is_kept_and_chosen(prepared, tmp_path):
+    from genrec.models.train.trainer import run_training
+
+    run = tmp_path / "run"
+    run_training(tiny_config(prepared, run, max_steps=8, eval_every=2, checkpoint_every=1000,
+                             keep_checkpoints=1, eval_max_users=0))
+    valid = [(r["step"], r["valid/ndcg@10"]) for r in _records(run) if "valid/ndcg@10" in r]
+    assert [s for s, _ in valid] == [2, 4, 6, 8]
+    best_value = max(v for _, v in valid)
+    best_step = next(s for s, v in valid if v == best_value)  # the first to reach it
+    best = json.loads((run / BEST_FILE).read_text())
+    assert (best["step"], best["value"], best["metric"]) == (best_step, best_value, "valid/ndcg@10")
+    step_dir, _ = resolve_checkpoint(run)
+    assert step_dir.name == best["checkpoint"] and read_marker(step_dir) is not None
+    latest, _ = resolve_checkpoint(run, which="latest")
+    assert latest.name == "step-00000008"
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert kept == sorted({step_dir.name, latest.name})  # keep_checkpoints=1 plus the pinned best
+
+
+def test_eval_reports_the_best_checkpoint_by_default(prepared, tmp_path, capsys):
+    from genrec.models.evaluation.evaluate import run_evaluation
+    from genrec.models.train.trainer import run_training
+
+    run = tmp_path / "run"
+    run_training(tiny_config(prepared, run, max_steps=4, eval_every=2, checkpoint_every=1000))
+    best = json.loads((run / BEST_FILE).read_text())
+    run_evaluation(run, prepared, "valid", out_dir=tmp_path / "report")
+    assert f"best-validation checkpoint {best['checkpoint']}" in capsys.readouterr().err
+    saved = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert saved["config"]["run"]["checkpoint"] == {"step_dir": best["checkpoint"], "chosen": "best-validation",
+                                             "best": best}
+
+
+def test_early_stopping_after_patience(prepared, tmp_path):
+    from genrec.models.train.trainer import run_training
+
+    cfg = tiny_config(prepared, tmp_path / "run", max_steps=20, eval_every=2, early_stop_patience=2,
+                      checkpoint_every=1000)
+    cfg.train.optim.lr = 0.0
+    for t in cfg.sparse.tables:
+        t.learning_rate = 0.0  # nothing learns: no validation can beat the first
+    losses = run_training(cfg)
+    assert len(losses) == 6  # best at 2, no new best at 4 and 6 -> stop
+
+
+def test_unknown_best_metric_is_an_error_naming_the_key(prepared, tmp_path):
+    from genrec.models.train.trainer import run_training
+
+    with pytest.raises(ValueError, match="train.best_metric 'auc'"):
+        run_training(tiny_config(prepared, tmp_path / "run", best_metric="auc"))
+
+
+# ---- negatives --------------------------------------------------------------------------------
+
+
+def _model(prepared, tmp_path, **model):
+    from genrec.models.build import build_model, load_item_corpus
+    from genrec.models.ranks import single_process
+
+    cfg = tiny_config(prepared, tmp_path / "run")
+    cfg.model.ranking = False
+    for k, v in model.items():
+        setattr(cfg.model, k, v)
+    net, _ = build_model(cfg, single_process())
+    net.set_item_corpus(*load_item_corpus(prepared))
+    return cfg, net
+
+
+def _batch(cfg, prepared):
+    from genrec.data.loader import make_loader
+
+    cfg.data.loader.mode = "retrieval"
+    return next(iter(make_loader(prepared / "train", cfg.data.features, cfg.data.loader)))
+
+
+@pytest.mark.parametrize("negatives", ["shared", "per_position", "in_batch", "full"])
+def test_every_negative_mode_trains(prepared, tmp_path, negatives):
+    cfg, net = _model(prepared, tmp_path, negatives=negatives)
+    torch.manual_seed(0)
+    loss, parts = net(_batch(cfg, prepared))
+    assert torch.isfinite(loss) and loss > 0
+    loss.backward()
+    grads = [p.grad for n, p in net.named_parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_full_softmax_is_the_exact_cross_entropy_over_the_corpus(prepared, tmp_path):
+    import torch.nn.functional as F
+
+    cfg, net = _model(prepared, tmp_path, negatives="full")
+    net.eval()
+    batch = _batch(cfg, prepared)
+    with torch.no_grad():
+        loss, _ = net(batch)
+        states, _, _ = net.encode(batch)
+        items = batch.history[cfg.data.features.item].values()
+        last = batch.history_offsets_B1[1:] - 1
+        src = torch.tensor([t for t in range(len(items)) if t not in set(last.tolist())])
+        corpus = net.item_corpus
+        q = F.normalize(states[src], dim=-1)
+        e = F.normalize(net.item_rows(corpus), dim=-1)
+        logits = q @ e.T / cfg.model.temperature
+        target = torch.searchsorted(corpus, items[src + 1])
+        expected = F.cross_entropy(logits, target)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_negatives_are_errors_naming_the_key(prepared, tmp_path):
+    from genrec.models.build import build_model
+    from genrec.models.ranks import single_process
+
+    cfg = tiny_config(prepared, tmp_path / "run")
+    cfg.model.negatives = "in_batch"
+    cfg.data.loader.batch_size = 1
+    with pytest.raises(ValueError, match="model.negatives = 'in_batch' needs data.loader.batch_size"):
+        build_model(cfg, single_process())
+    with pytest.raises(ValueError, match="model.full_softmax_max_items"):
+        _model(prepared, tmp_path, negatives="full", full_softmax_max_items=10)
+    assert to_dict(cfg)["model"]["negatives"] == "in_batch"
