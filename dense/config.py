@@ -93,8 +93,8 @@ class TowerConfig:
             raise ValueError(f"TowerConfig.bucket_min_fill must be in (0, 1], got {self.bucket_min_fill}")
         if self.kind == "hstu" and self.kernel == "sdpa":
             raise ValueError('TowerConfig.kernel="sdpa" is a Transformer kernel; HSTU takes "chunked"')
-        if self.kind == "transformer" and self.kernel == "chunked":
-            raise ValueError('TowerConfig.kernel="chunked" is an HSTU kernel; Transformer takes "sdpa"')
+        if self.kind != "hstu" and self.kernel == "chunked":
+            raise ValueError(f'TowerConfig.kernel="chunked" is an HSTU kernel; kind {self.kind!r} takes "sdpa"')
 
     @property
     def resolved_kernel(self) -> str:
@@ -105,5 +105,5 @@ class TowerConfig:
     @property
     def uses_absolute_positions(self) -> bool:
         if self.position_embedding == "auto":
-            return self.kind == "transformer"
+            return self.kind != "hstu"
         return self.position_embedding == "absolute"

@@ -36,7 +36,7 @@ from .hstu import HSTUBlock
 from .jagged import JaggedLayout, make_layout
 from .bias import time_buckets
 from .kernels import hstu_target_attention_fused, relative_bias
-from .transformer import TransformerBlock
+from .transformer import SASRecBlock, TransformerBlock
 
 
 @dataclass
@@ -59,7 +59,7 @@ class SequenceTower(nn.Module):
     def __init__(self, cfg: TowerConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        block = HSTUBlock if cfg.kind == "hstu" else TransformerBlock
+        block = {"hstu": HSTUBlock, "sasrec": SASRecBlock, "transformer": TransformerBlock}[cfg.kind]
         self.layers = nn.ModuleList(block(cfg, cfg.resolved_kernel) for _ in range(cfg.num_layers))
         self.position_embedding = (nn.Embedding(cfg.max_seq_len, cfg.embedding_dim)
                                    if cfg.uses_absolute_positions else None)
@@ -67,9 +67,10 @@ class SequenceTower(nn.Module):
             nn.init.normal_(self.position_embedding.weight, std=0.02)
         self.input_scale = cfg.embedding_dim ** 0.5 if cfg.input_scale == "sqrt_dim" else 1.0
         self.input_dropout = nn.Dropout(cfg.input_dropout) if cfg.input_dropout > 0 else nn.Identity()
-        # Pre-LN stacks need a final norm; HSTU's reference returns the residual stream as is.
+        # Softmax stacks end with a norm (SASRec's last LayerNorm); HSTU's reference returns
+        # the residual stream as is.
         self.final_norm = (nn.LayerNorm(cfg.embedding_dim, eps=cfg.layer_norm_eps)
-                           if cfg.kind == "transformer" else nn.Identity())
+                           if cfg.kind != "hstu" else nn.Identity())
         self.activation_checkpointing = cfg.activation_checkpointing
 
     def _check_values(self, values_TD: torch.Tensor, offsets_B1: torch.Tensor, what: str) -> None:
