@@ -43,9 +43,15 @@ class TableConfig:
     """An id gets a row once it has been seen this many times in training forwards
     (1 = admit at first sight)."""
     admit_probability: float = 1.0
-    """Once an id has admit_min_count sightings, each sighting admits it with this
-    probability: P = 1 - (1 - p)^sightings_in_batch, drawn deterministically from (seed,
-    id, sightings so far), so the outcome does not depend on sharding or arrival order."""
+    """The sighting that reaches admit_min_count, and each later one while the id is not
+    admitted, admits it with this probability: a batch with k such sightings admits it
+    with 1 - (1 - p)^k (min_count 3, p 0.25, 3 sightings in one batch: 25%), drawn
+    deterministically from (seed, id, sightings before the batch), so the outcome does not
+    depend on sharding or arrival order."""
+    admit_max_pending: int = 1 << 20
+    """Cap on ids counted toward admission but not admitted, per rank (about 100 bytes
+    each). Past it the least recently seen are forgotten first (then the least seen, then
+    the lowest id); with ttl_seconds, a count also lapses that long after its last sighting."""
     default_row: Literal["zeros", "init"] = "zeros"
     """What unadmitted (or, in eval, unknown) ids read: zeros, or the id's would-be
     initial row. They never receive updates."""
@@ -71,9 +77,10 @@ class SparseConfig:
     """Embedding tables."""
     ssd_dir: str | None = None
     """Existing, writable directory for the SSD tier (one sub-directory per table and
-    rank, recreated empty when a store opens: durability comes from snapshots). Two live
-    stores must not share it with the same rank. None = a fresh temporary directory,
-    deleted at exit."""
+    rank, recreated empty when a store opens: durability comes from snapshots). One live
+    store per rank may use it (a lock file per rank enforces that). None = a fresh
+    temporary directory, deleted when the store goes and cleaned by the next store if its
+    process was killed."""
     ssd_slab_rows: int = 1 << 18
     """Rows per memory-mapped slab file of the SSD tier."""
     device: str = "cpu"

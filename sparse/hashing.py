@@ -3,6 +3,8 @@
 Everything here is plain torch int64 arithmetic (wrapping multiplication, masked
 logical shifts), so results are identical across processes, machines and world sizes:
 sharding (`owner_rank`), initialization (`uniform01`) and the id index all build on it.
+For the same reason selections by score (eviction, dropping counters) break ties on the
+id (`lowest_k`), never on where a row happens to sit in memory.
 
 Legend: N = number of query ids, C = table capacity (a power of two).
 """
@@ -53,6 +55,27 @@ def uniform01(seed: int, ids_N: torch.Tensor, num_columns: int) -> torch.Tensor:
     return bits_NK.to(torch.float64) * (1.0 / (1 << 53))
 
 
+def rank_order(score_N: torch.Tensor, ids_N: torch.Tensor) -> torch.Tensor:
+    """Permutation sorting by (score, id) ascending: with unique ids a total order that
+    any process rebuilds from the same rows, whatever their slots."""
+    order_N = torch.argsort(ids_N)
+    return order_N[torch.argsort(score_N[order_N], stable=True)]
+
+
+def lowest_k(score_N: torch.Tensor, ids_N: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the k lowest (score, id) pairs, lowest first (O(N) select, then a sort
+    of the candidates only)."""
+    n = int(score_N.numel())
+    k = min(k, n)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64)
+    cand_M = torch.arange(n)
+    if k < n:
+        kth = torch.kthvalue(score_N, k).values
+        cand_M = (score_N <= kth).nonzero().squeeze(1)
+    return cand_M[rank_order(score_N[cand_M], ids_N[cand_M])[:k]]
+
+
 def _splitmix64_(z: torch.Tensor) -> torch.Tensor:
     """In-place splitmix64 finalizer (z already offset); saves the temporaries of the
     functional form, which dominate row initialization at scale."""
@@ -90,13 +113,18 @@ class TensorHashMap:
     Keys must be >= 0 (EMPTY and TOMBSTONE are negative). Deletion leaves tombstones;
     the map rehashes itself when live + tombstones pass 1/2 of the capacity, so probe
     chains stay short (the probe loop runs max-chain-length times, not once per key, and
-    each round only over the keys still probing).
+    each round only over the keys still probing). `value_width=K` stores int64 [K] per
+    key (values_C is [C, K]) instead of one int64.
     """
 
-    def __init__(self, capacity: int = 1024) -> None:
-        cap = 1 << max(4, (max(capacity, 1) * 2 - 1).bit_length())
+    def __init__(self, capacity: int = 1024, value_width: int | None = None) -> None:
+        self.value_width = value_width
+        self._allocate(1 << max(4, (max(capacity, 1) * 2 - 1).bit_length()))
+
+    def _allocate(self, cap: int) -> None:
         self.keys_C = torch.full((cap,), EMPTY, dtype=torch.int64)
-        self.values_C = torch.zeros(cap, dtype=torch.int64)
+        shape = (cap,) if self.value_width is None else (cap, self.value_width)
+        self.values_C = torch.zeros(shape, dtype=torch.int64)
         self.num_live = 0
         self.num_tombstones = 0
 
@@ -143,7 +171,7 @@ class TensorHashMap:
 
     def get(self, keys_N: torch.Tensor, default: int = -1) -> torch.Tensor:
         slots_N = self.find_slots(keys_N)
-        out_N = torch.full_like(keys_N, default)
+        out_N = torch.full((keys_N.numel(), *self.values_C.shape[1:]), default, dtype=torch.int64)
         ok_N = slots_N >= 0
         out_N[ok_N] = self.values_C[slots_N[ok_N]]
         return out_N
@@ -185,6 +213,9 @@ class TensorHashMap:
         self.num_live -= int(slots_N.numel())
         self.num_tombstones += int(slots_N.numel())
 
+    def live_slots(self) -> torch.Tensor:
+        return (self.keys_C >= 0).nonzero().squeeze(1)
+
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
         live_C = self.keys_C >= 0
         return self.keys_C[live_C], self.values_C[live_C]
@@ -197,9 +228,5 @@ class TensorHashMap:
     def _rehash(self, min_live: int) -> None:
         keys_L, values_L = self.items()
         # Load in [1/4, 1/2) after a rehash: 32-64 bytes per live key, short probe chains.
-        cap = 1 << max(4, (max(min_live, 1) * 2).bit_length())
-        self.keys_C = torch.full((cap,), EMPTY, dtype=torch.int64)
-        self.values_C = torch.zeros(cap, dtype=torch.int64)
-        self.num_live = 0
-        self.num_tombstones = 0
+        self._allocate(1 << max(4, (max(min_live, 1) * 2).bit_length()))
         self.insert_new(keys_L, values_L)

@@ -29,31 +29,19 @@ table's default row and no counter, row or tier changes.
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import tempfile
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
+from . import ssd_dir
 from .config import SparseConfig, TableConfig
 from .hashing import owner_rank
 from .store import TableStore
-
-
-def _check_ssd_dir(path: str) -> None:
-    if not os.path.isdir(path):
-        raise ValueError(f"SparseConfig.ssd_dir {path!r} does not exist or is not a directory")
-    probe = os.path.join(path, f".write_probe.{os.getpid()}")
-    try:
-        with open(probe, "wb") as f:
-            f.write(b"x")
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"SparseConfig.ssd_dir {path!r} is not writable: {e}") from None
+from .tiers import remove_slab_files
 
 
 class _Exchange:
@@ -150,18 +138,22 @@ class TieredEmbeddingCollection(nn.Module):
                 if f in self.feature_to_table:
                     raise ValueError(f"feature {f!r} is listed by tables {self.feature_to_table[f]!r} and {t.name!r}")
                 self.feature_to_table[f] = t.name
-        if config.ssd_dir is None:
-            root = tempfile.mkdtemp(prefix="genrec_ssd_")
-            atexit.register(shutil.rmtree, root, True)
+        temporary = config.ssd_dir is None
+        if temporary:
+            root, lock_fd = ssd_dir.make_temp_dir(self.rank)
         else:
             root = config.ssd_dir
-            _check_ssd_dir(root)
+            ssd_dir.check_writable(root)
+            lock_fd = ssd_dir.lock(root, self.rank)
+        # Runs at garbage collection or interpreter exit, whichever comes first.
+        weakref.finalize(self, ssd_dir.release, lock_fd, root if temporary else None)
         self.ssd_root = root
         self.stores: dict[str, TableStore] = {}
         for name, t in self.tables.items():
             tdir = os.path.join(root, f"{name}.rank{self.rank}")
             os.makedirs(tdir, exist_ok=True)
-            self.stores[name] = TableStore(t, os.path.join(tdir, "tier"), config.ssd_slab_rows, self.device)
+            remove_slab_files(tdir)  # an earlier run's spill: never read again (see tiers.py)
+            self.stores[name] = TableStore(t, tdir, config.ssd_slab_rows, self.device, unlink_slabs=temporary)
         self.event_time: int | None = None
         # Leaf that makes the fused outputs require grad; it never receives a gradient.
         self._anchor = torch.zeros((), requires_grad=True)

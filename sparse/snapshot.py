@@ -3,36 +3,50 @@
 Layout of a snapshot directory:
 
     <dir>/MANIFEST.json                      the commit record: version, world size, tables,
-                                             per shard file names, sizes and CRC32s
+                                             per shard row counts, file names, sizes and
+                                             CRC32s, and a CRC32 of the manifest itself
     <dir>/v<version>/<table>.rank<r>.ids.bin       int64 [N]      row ids of rank r's shard
     <dir>/v<version>/<table>.rank<r>.rows.bin      fp32 [N, W]    values + optimizer state
     <dir>/v<version>/<table>.rank<r>.meta.bin      int64 [N, 3]   last access step, count, last update
-    <dir>/v<version>/<table>.rank<r>.pending_ids.bin / pending_counts.bin   admission counters
+    <dir>/v<version>/<table>.rank<r>.pending_ids.bin    int64 [P]      admission counters: ids
+    <dir>/v<version>/<table>.rank<r>.pending_state.bin  int64 [P, 3]   sightings, last seen time, step
 
-Atomicity: shard files go to a fresh version folder; the manifest is replaced last by
-rename, and older version folders are deleted only after that. A crash at any moment
-leaves MANIFEST.json naming a complete, older version. Consistency: a snapshot is taken
+Atomicity: shard files go to a fresh version folder; every file, the version folder and
+the snapshot folder are fsynced, then the manifest is replaced by rename (the commit)
+and older version folders are deleted only after that. A crash at any moment leaves
+MANIFEST.json naming a complete, older version. Consistency: a snapshot is taken
 between steps; a row and its optimizer state are one packed row, so they cannot tear.
-Resharding: a rank loading the snapshot reads every shard's ids and keeps the rows it
-owns under the current world size (splitmix64(id) % world_size).
+
+Loading: each table is read into a staging store beside the live one (each file's size
+checked against the manifest and its row count first, its CRC32 while it streams by);
+only once every rank has read everything do the stores take the staged rows, so a
+failed load (bad file, I/O error, full disk) leaves every store as it was.
+Resharding: rows live on rank splitmix64(id) % world_size. Under the saved world size S
+and the current W, rank r reads only the shards s with s = r (mod gcd(S, W)), the only
+ones that can hold its ids: its own shard when S == W; and it filters ids by owner only
+when W does not divide S.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
 import zlib
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from .admission import NUM_STATE
 from .hashing import owner_rank
+from .tiers import NUM_META
 
 MANIFEST = "MANIFEST.json"
+FORMAT = "genrec.sparse.snapshot/2"
+CHECKSUM_KEY = "manifest_crc32"
 _CHUNK_BYTES = 1 << 24
 _LOAD_CHUNK_ROWS = 1 << 20
 
@@ -45,6 +59,13 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def manifest_checksum(manifest: dict) -> int:
+    """CRC32 of the manifest's canonical JSON (sorted keys, no spaces), without its own
+    checksum field: a manifest edited or torn into other valid JSON is refused."""
+    body = {k: v for k, v in manifest.items() if k != CHECKSUM_KEY}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
 class _Writer:
@@ -78,27 +99,42 @@ def _write_tensor(path: str, t: torch.Tensor) -> dict:
     return w.close()
 
 
-def _verify(path: str, info: dict) -> None:
-    if not os.path.exists(path):
-        raise ValueError(f"snapshot file {path} is missing")
-    size = os.path.getsize(path)
-    if size != info["bytes"]:
-        raise ValueError(f"snapshot file {path} is truncated or corrupt: {size} bytes, manifest says {info['bytes']}")
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
-    if crc != info["crc32"]:
-        raise ValueError(f"snapshot file {path} is corrupt: CRC32 {crc:#x}, manifest says {info['crc32']:#x}")
+class _ShardFile:
+    """One shard file, read front to back in records of a fixed size. Its size is checked
+    against the manifest and the row count when made (before anything is read), its CRC32
+    by `finish` once every byte went by (one pass over the data, not a verify pass too)."""
 
+    def __init__(self, vdir: str, info: dict, record_bytes: int, num_records: int, count_key: str) -> None:
+        self.path, self.info, self.crc, self.f = os.path.join(vdir, info["file"]), info, 0, None
+        if not os.path.exists(self.path):
+            raise ValueError(f"snapshot file {self.path} is missing")
+        size = os.path.getsize(self.path)
+        if size != info["bytes"]:
+            raise ValueError(f"snapshot file {self.path} is truncated or corrupt: {size} bytes, "
+                             f"manifest says {info['bytes']}")
+        if size != record_bytes * num_records:
+            raise ValueError(f"snapshot file {self.path} holds {size} bytes, but the manifest's {count_key} = "
+                             f"{num_records} needs {record_bytes * num_records}")
 
-def _read(path: str, dtype, width: int | None, start: int = 0, count: int | None = None) -> torch.Tensor:
-    itemsize = np.dtype(dtype).itemsize * (width or 1)
-    with open(path, "rb") as f:
-        f.seek(start * itemsize)
-        arr = np.fromfile(f, dtype=dtype, count=-1 if count is None else count * (width or 1))
-    t = torch.from_numpy(arr)
-    return t.view(-1, width) if width else t
+    def read(self, count: int, dtype: torch.dtype, width: int | None) -> torch.Tensor:
+        if self.f is None:
+            self.f = open(self.path, "rb")
+        out = torch.empty((count, width) if width else (count,), dtype=dtype)
+        buf = memoryview(out.view(-1).view(torch.uint8).numpy())
+        got = self.f.readinto(buf)
+        if got != len(buf):
+            raise ValueError(f"snapshot file {self.path} is truncated: it ended while being read")
+        self.crc = zlib.crc32(buf, self.crc)
+        return out
+
+    def finish(self) -> None:
+        if self.crc != self.info["crc32"]:
+            raise ValueError(
+                f"snapshot file {self.path} is corrupt: CRC32 {self.crc:#x}, manifest says {self.info['crc32']:#x}")
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
 
 
 def _dist(module) -> tuple[int, int]:
@@ -128,21 +164,26 @@ def save_snapshot(module, path: str) -> list[str]:
             writers["rows"].write(rows_nW)
             writers["meta"].write(meta_n3)
             num_rows += int(ids_n.numel())
-        p_ids, p_counts = store.pending.items()
+        p_ids, p_state = store.pending.items()
         files = {k: w.close() for k, w in writers.items()}
         files["pending_ids"] = _write_tensor(stem + ".pending_ids.bin", p_ids)
-        files["pending_counts"] = _write_tensor(stem + ".pending_counts.bin", p_counts)
+        files["pending_state"] = _write_tensor(stem + ".pending_state.bin", p_state)
         shards[name] = {"rank": rank, "num_rows": num_rows, "num_pending": int(p_ids.numel()),
-                        "step": store.step, "files": files}
+                        "step": store.step, "last_sweep": store.last_sweep, "files": files}
         written += [os.path.join(vdir, f["file"]) for f in files.values()]
+    # The files' own fsyncs do not cover their names: the folder's entries must be durable
+    # before the manifest that names them can be.
+    _fsync_dir(vdir)
     gathered = [shards]
     if world > 1:
         gathered = [None] * world
         dist.all_gather_object(gathered, shards, group=module.group)
     if rank == 0:
-        _fsync_dir(vdir)
+        # The version folder's entry in `path`, and `path`'s own if this save created it.
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        _fsync_dir(path)
         manifest = {
-            "format": "genrec.sparse.snapshot/1",
+            "format": FORMAT,
             "version": version,
             "world_size": world,
             "event_time": module.event_time,
@@ -156,6 +197,7 @@ def save_snapshot(module, path: str) -> list[str]:
                 for name, t in module.tables.items()
             },
         }
+        manifest[CHECKSUM_KEY] = manifest_checksum(manifest)
         tmp = os.path.join(path, MANIFEST + ".tmp")
         with open(tmp, "w") as f:
             json.dump(manifest, f, indent=1)
@@ -173,24 +215,26 @@ def save_snapshot(module, path: str) -> list[str]:
 
 
 def read_manifest(path: str) -> dict:
+    """The manifest of the snapshot at `path`, its format and own checksum verified."""
     mpath = os.path.join(path, MANIFEST)
     if not os.path.exists(mpath):
         raise ValueError(f"no snapshot at {path}: {MANIFEST} is missing")
     try:
         with open(mpath) as f:
-            return json.load(f)
+            manifest = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"snapshot manifest {mpath} is corrupt: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ValueError(f"snapshot manifest {mpath} has format {found!r}; this version reads {FORMAT!r}")
+    crc = manifest_checksum(manifest)
+    if manifest.get(CHECKSUM_KEY) != crc:
+        raise ValueError(f"snapshot manifest {mpath} is corrupt: checksum {manifest.get(CHECKSUM_KEY)!r} "
+                         f"recorded, {crc} computed")
+    return manifest
 
 
-def load_snapshot(module, path: str) -> None:
-    """Replace every table's rows with the snapshot's rows owned by this rank.
-
-    All files are checked (size, CRC32) and all tables' shapes compared before any
-    table is touched, so a bad snapshot leaves the store as it was."""
-    rank, world = _dist(module)
-    manifest = read_manifest(path)
-    vdir = os.path.join(path, f"v{manifest['version']}")
+def _check_tables(module, manifest: dict, path: str) -> None:
     for name, t in module.tables.items():
         if name not in manifest["tables"]:
             raise ValueError(f"snapshot {path} has no table {name!r} (has {sorted(manifest['tables'])})")
@@ -203,31 +247,85 @@ def load_snapshot(module, path: str) -> None:
             raise ValueError(
                 f"snapshot {path}: table {name!r} was saved with optimizer {entry['optimizer']!r}, config says {t.optimizer!r}"
             )
-        for shard in entry["shards"]:
-            for info in shard["files"].values():
-                _verify(os.path.join(vdir, info["file"]), info)
-    for name, store in module.stores.items():
-        entry = manifest["tables"][name]
-        store.clear()
-        store.step = (1 << 63) - 1  # nothing is protected from eviction while loading
-        for shard in entry["shards"]:
-            files = {k: os.path.join(vdir, v["file"]) for k, v in shard["files"].items()}
-            n = shard["num_rows"]
-            for start in range(0, n, _LOAD_CHUNK_ROWS):
-                count = min(_LOAD_CHUNK_ROWS, n - start)
-                ids = _read(files["ids"], np.int64, None, start, count)
+
+
+def _shard_files(vdir: str, shard: dict, width: int) -> dict[str, _ShardFile]:
+    n, p, files = shard["num_rows"], shard["num_pending"], shard["files"]
+    return {
+        "ids": _ShardFile(vdir, files["ids"], 8, n, "num_rows"),
+        "rows": _ShardFile(vdir, files["rows"], 4 * width, n, "num_rows"),
+        "meta": _ShardFile(vdir, files["meta"], 8 * NUM_META, n, "num_rows"),
+        "pending_ids": _ShardFile(vdir, files["pending_ids"], 8, p, "num_pending"),
+        "pending_state": _ShardFile(vdir, files["pending_state"], 8 * NUM_STATE, p, "num_pending"),
+    }
+
+
+def _stage_shard(staged, files: dict[str, _ShardFile], shard: dict, rank: int, world: int, filter_ids: bool) -> None:
+    """Read one shard into a staging store: the rows and counters this rank owns."""
+    n, p = shard["num_rows"], shard["num_pending"]
+    try:
+        for start in range(0, n, _LOAD_CHUNK_ROWS):
+            count = min(_LOAD_CHUNK_ROWS, n - start)
+            ids = files["ids"].read(count, torch.int64, None)
+            rows = files["rows"].read(count, torch.float32, staged.width)
+            meta = files["meta"].read(count, torch.int64, NUM_META)
+            if filter_ids:
                 mine = (owner_rank(ids, world) == rank).nonzero().squeeze(1)
-                if mine.numel() == 0:
-                    continue
-                rows = _read(files["rows"], np.float32, store.width, start, count)[mine]
-                meta = _read(files["meta"], np.int64, 3, start, count)[mine]
-                store._place(ids[mine], rows.to(store.device), meta, 0)
-            p_ids = _read(files["pending_ids"], np.int64, None)
-            p_counts = _read(files["pending_counts"], np.int64, None)
+                ids, rows, meta = ids[mine], rows[mine], meta[mine]
+            staged.stage(ids, rows, meta)
+        p_ids = files["pending_ids"].read(p, torch.int64, None)
+        p_state = files["pending_state"].read(p, torch.int64, NUM_STATE)
+        if filter_ids:
             mine = owner_rank(p_ids, world) == rank
-            store.pending.insert_new(p_ids[mine], p_counts[mine])
-        store.step = max([0] + [s["step"] for s in entry["shards"]])
-        store.last_sweep = None
+            p_ids, p_state = p_ids[mine], p_state[mine]
+        staged.pending.insert_new(p_ids, p_state)
+        for f in files.values():
+            f.finish()
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def load_snapshot(module, path: str) -> None:
+    """Replace every table's rows, counters and step with the snapshot's (the part this
+    rank owns) and the module's event time with the snapshot's; collective when
+    distributed. On any error every store is left as it was (see the module doc)."""
+    rank, world = _dist(module)
+    manifest = read_manifest(path)
+    _check_tables(module, manifest, path)
+    vdir = os.path.join(path, f"v{manifest['version']}")
+    saved_world = manifest["world_size"]
+    common = math.gcd(saved_world, world)
+    my_shards = [s for s in range(saved_world) if s % common == rank % common]
+    filter_ids = saved_world % world != 0
+    staged, error = {}, None
+    try:
+        # Every size and row count first: a bad snapshot fails before gigabytes are read.
+        files = {name: [_shard_files(vdir, manifest["tables"][name]["shards"][s], store.width) for s in my_shards]
+                 for name, store in module.stores.items()}
+        for name, store in module.stores.items():
+            shards = manifest["tables"][name]["shards"]
+            staged[name] = store.staging()
+            for s, shard_files in zip(my_shards, files[name]):
+                _stage_shard(staged[name], shard_files, shards[s], rank, world, filter_ids)
+            staged[name].step = max(sh["step"] for sh in shards)
+            sweeps = [sh["last_sweep"] for sh in shards if sh["last_sweep"] is not None]
+            staged[name].last_sweep = max(sweeps) if sweeps else None
+    except Exception as e:
+        error = e
+    failed = [error is not None]
+    if world > 1:  # all ranks take the snapshot or none does
+        failed = [None] * world
+        dist.all_gather_object(failed, error is not None, group=module.group)
+    if any(failed):
+        for s in staged.values():
+            s.destroy()
+        if error is not None:
+            raise error
+        raise ValueError(f"loading snapshot {path} failed on rank(s) {[r for r, f in enumerate(failed) if f]}; "
+                         f"every store is unchanged")
+    for name, store in module.stores.items():
+        store.adopt(staged[name])
     module.event_time = manifest["event_time"]
 
 

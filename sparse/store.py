@@ -4,43 +4,59 @@ Tiers are exclusive: a materialized row lives in exactly one of device (tier 0),
 (tier 1) or SSD (tier 2), and the id index maps id -> (slot << 2 | tier). A training
 lookup brings every row of the batch up to the device tier (up to its capacity),
 pushing the policy's worst rows down one tier (a host eviction writes the row back to
-the SSD tier). Rows touched in the current step are never chosen as victims.
+the SSD tier). Rows of the current lookup are never chosen as cache victims.
+
+A training step is every forward since the last backward (a model looks up history, then
+negatives, then runs one backward): rows looked up in any forward of the open step are
+not dropped, by `max_rows` or TTL, before that step's backward has applied their
+gradients. Every choice of rows (victims, drops) orders by (policy score, id), never by
+slot, so a store rebuilt from a snapshot chooses exactly as the original would.
 
 Legend: U = unique ids in a call, W = packed row width (values + optimizer state).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 
 from . import optim
+from .admission import PendingCounters
 from .config import TableConfig
-from .hashing import TensorHashMap, splitmix64, uniform01
+from .hashing import TensorHashMap, lowest_k, rank_order
 from .tiers import META_FREQ, META_LAST_ACCESS, META_LAST_UPDATE, NUM_META, Tier
-
-_I64_MAX = (1 << 63) - 1
-TIER_NAMES = ("device", "host", "ssd")
 
 
 class TableStore:
-    def __init__(self, cfg: TableConfig, ssd_prefix: str, slab_rows: int, device: torch.device) -> None:
+    def __init__(self, cfg: TableConfig, ssd_dir: str, slab_rows: int, device: torch.device,
+                 unlink_slabs: bool = False, generation: int = 0) -> None:
+        """ssd_dir: this table's own directory for SSD slabs. unlink_slabs: slab files lose
+        their names once mapped (a temporary SSD tier: nothing to clean after kill -9).
+        generation: names this store's slabs apart from those of the store it may replace
+        (a snapshot load builds the new one beside the old)."""
         self.cfg = cfg
         self.dim = cfg.embedding_dim
         self.width = optim.row_width(cfg)
         self.device = device
+        self.ssd_dir, self.slab_rows, self.unlink_slabs, self.generation = ssd_dir, slab_rows, unlink_slabs, generation
         cpu = torch.device("cpu")
         self.tiers = [
             Tier("device", self.width, cfg.device_rows, device),
             Tier("host", self.width, cfg.host_rows, cpu),
-            Tier("ssd", self.width, None, cpu, path_prefix=ssd_prefix, slab_rows=slab_rows),
+            Tier("ssd", self.width, None, cpu, path_prefix=os.path.join(ssd_dir, f"tier.g{generation}"),
+                 slab_rows=slab_rows, unlink_files=unlink_slabs),
         ]
         # When the device tier is process memory too (CPU), a host hit is as fast as a
         # device hit: leave it in place instead of moving it up and another row down
         # (measured: moves dominated step time on Zipf streams). On CUDA host hits move up.
         self.keep_host_hits = device.type == "cpu"
         self.index = TensorHashMap()
-        self.pending = TensorHashMap()  # unadmitted id -> sightings so far
-        self.step = 0
+        self.pending = PendingCounters(cfg)
+        self.step = 0  # counts training lookups (forwards), not steps: finer LRU order within a step
+        # Steps: the open one began at lookup `window_start`; done once its backward ran.
+        self.window_start, self.step_done = 1, True
         self.version = 0  # bumped whenever any row changes tier or slot
         self.last_locations = None
         self.last_sweep = None
@@ -83,17 +99,20 @@ class TableStore:
             return meta_N3[:, META_FREQ] * (1 << 31) + meta_N3[:, META_LAST_ACCESS]
         return meta_N3[:, META_LAST_ACCESS]
 
+    def _in_open_step(self, meta_N3: torch.Tensor) -> torch.Tensor:
+        """Rows looked up in the step whose backward has not run yet: never dropped."""
+        if self.step_done:
+            return torch.zeros(meta_N3.shape[0], dtype=torch.bool)
+        return meta_N3[:, META_LAST_ACCESS] >= self.window_start
+
     # ---------------------------------------------------------------- placement
     def _victims(self, tier: Tier, k: int) -> torch.Tensor:
         if tier.num_slots == 0 or k <= 0:
             return torch.empty(0, dtype=torch.int64)
         meta_S3 = tier.all_meta()
         ids_S = torch.cat([s.view(-1) for s in tier.ids.slabs])
-        score_S = self._score(meta_S3)
-        protected_S = (ids_S < 0) | (meta_S3[:, META_LAST_ACCESS] >= self.step)
-        score_S = score_S.masked_fill(protected_S, _I64_MAX)
-        k = min(k, int((~protected_S).sum()))
-        return torch.topk(score_S, k, largest=False).indices if k else torch.empty(0, dtype=torch.int64)
+        cand_M = ((ids_S >= 0) & (meta_S3[:, META_LAST_ACCESS] < self.step)).nonzero().squeeze(1)
+        return cand_M[lowest_k(self._score(meta_S3[cand_M]), ids_S[cand_M], k)]
 
     def _place(self, ids_N, rows_NW, meta_N3, t: int) -> None:
         """Put rows (absent from every tier slot, maybe present in the index) into tier t,
@@ -116,7 +135,7 @@ class TableStore:
                 free = tier.num_free()
             if free < n:
                 # Keep the best-scoring incoming rows here; the rest go one tier down.
-                order = torch.argsort(self._score(meta_N3), descending=True, stable=True)
+                order = rank_order(self._score(meta_N3), ids_N).flip(0)
                 rest = order[free:]
                 self._place(ids_N[rest], rows_NW[rest.to(rows_NW.device)], meta_N3[rest], t + 1)
                 keep = order[:free]
@@ -140,40 +159,26 @@ class TableStore:
             self.tiers[t].free(slot_P[tier_P == t])
         self._place(ids_P, rows_PW, meta_P3, target)
 
-    # ---------------------------------------------------------------- admission / TTL
-    def _admit(self, ids_N: torch.Tensor, counts_N: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        if cfg.admit_min_count <= 1 and cfg.admit_probability >= 1.0:
-            return torch.ones_like(ids_N, dtype=torch.bool)
-        slots_N = self.pending.find_slots(ids_N)
-        prev_N = torch.where(slots_N >= 0, self.pending.values_C[slots_N.clamp(min=0)], 0)
-        total_N = prev_N + counts_N
-        ok_N = total_N >= cfg.admit_min_count
-        if cfg.admit_probability < 1.0:
-            # One deterministic draw per (id, sightings so far): P(admit) = 1 - (1-p)^count.
-            u_N = uniform01(cfg.seed + 0x51ED, splitmix64(ids_N) ^ prev_N, 1)[:, 0]
-            ok_N &= u_N < 1.0 - (1.0 - cfg.admit_probability) ** counts_N.to(torch.float64)
-        have = slots_N >= 0
-        self.pending.set_existing(slots_N[have & ~ok_N], total_N[have & ~ok_N])
-        self.pending.insert_new(ids_N[~have & ~ok_N], total_N[~have & ~ok_N])
-        self.pending.remove_slots(slots_N[have & ok_N])
-        return ok_N
-
+    # ---------------------------------------------------------------- TTL / max_rows
     def _expired(self, meta_N3: torch.Tensor, now: int | None) -> torch.Tensor:
         if self.cfg.ttl_seconds is None or now is None:
             return torch.zeros(meta_N3.shape[0], dtype=torch.bool)
         return meta_N3[:, META_LAST_UPDATE] < now - self.cfg.ttl_seconds
 
     def expire(self, now: int) -> int:
-        """Drop every row (any tier) not updated within ttl_seconds before `now`."""
+        """Drop every row (any tier) not updated within ttl_seconds before `now`, except
+        rows of the open step, and forget admission counters not seen within it.
+        Returns the number of rows dropped."""
         if self.cfg.ttl_seconds is None:
             return 0
         dropped = 0
+        self.pending.expire(now)
         for t, tier in enumerate(self.tiers):
             slots_S, ids_S = tier.used_slots()
             if slots_S.numel() == 0:
                 continue
-            old = self._expired(tier.meta.gather(slots_S), now)
+            meta_S3 = tier.meta.gather(slots_S)
+            old = self._expired(meta_S3, now) & ~self._in_open_step(meta_S3)
             self._remove(ids_S[old], torch.full_like(ids_S[old], t), slots_S[old])
             dropped += int(old.sum())
         self.last_sweep = now
@@ -188,11 +193,13 @@ class TableStore:
         slot_N = torch.cat([s for _, s, _ in parts])
         ids_N = torch.cat([i for _, _, i in parts])
         _, meta_N3 = self._read(tier_N, slot_N, with_rows=False)
-        score_N = self._score(meta_N3).masked_fill(meta_N3[:, META_LAST_ACCESS] >= self.step, _I64_MAX)
+        # Rows of the open step stay even past the cap: dropping one before its backward
+        # would lose its gradient. The next step's lookups bring the table back under it.
+        cand_M = (~self._in_open_step(meta_N3)).nonzero().squeeze(1)
         # Drop a little below the cap (1/64 of it) so that a full table does not rescan
         # every tier on every step.
         excess = self.num_rows - cap + cap // 64
-        drop = torch.topk(score_N, min(excess, int((score_N < _I64_MAX).sum())), largest=False).indices
+        drop = cand_M[lowest_k(self._score(meta_N3[cand_M]), ids_N[cand_M], excess)]
         self._remove(ids_N[drop], tier_N[drop], slot_N[drop])
 
     # ---------------------------------------------------------------- public ops
@@ -207,6 +214,8 @@ class TableStore:
 
     def lookup_train(self, ids_U: torch.Tensor, counts_U: torch.Tensor, now: int | None):
         """Rows of unique ids for a training forward. Returns (values [U, D], admitted [U])."""
+        if self.step_done:  # the first forward since a backward opens a new step
+            self.window_start, self.step_done = self.step + 1, False
         self.step += 1
         self.last_locations = None
         ttl = self.cfg.ttl_seconds
@@ -219,7 +228,7 @@ class TableStore:
         exists_U = slot_U >= 0
         ex = exists_U.nonzero().squeeze(1)
         rows_EW, meta_E3 = self._read(tier_U[ex], slot_U[ex])
-        old = self._expired(meta_E3, now)
+        old = self._expired(meta_E3, now) & ~self._in_open_step(meta_E3)
         if old.any():  # lazily expired since the last sweep: drop, then treat as new
             self._remove(ids_U[ex[old]], tier_U[ex[old]], slot_U[ex[old]])
             exists_U[ex[old]] = False
@@ -229,7 +238,7 @@ class TableStore:
         admitted_U = exists_U.clone()
         new = (~exists_U).nonzero().squeeze(1)
         if new.numel():
-            admitted_U[new] = self._admit(ids_U[new], counts_U[new])
+            admitted_U[new] = self.pending.admit(ids_U[new], counts_U[new], now, self.step)
             new = new[admitted_U[new]]
             self.misses += int(new.numel())
         # Working set: existing rows then new rows, with their access metadata refreshed.
@@ -298,6 +307,7 @@ class TableStore:
         `locations` = (version, tier, slot_A, rows_AW) from the forward's fast path; used
         only if no row has moved or changed since (version unchanged), else the ids are
         located and read again."""
+        self.step_done = True
         self.version += 1
         if locations is not None and locations[0] == self.version - 1 and self.cfg.ttl_seconds is None:
             _, t, slot_A, rows_AW = locations
@@ -336,17 +346,40 @@ class TableStore:
                     torch.empty(0, NUM_META, dtype=torch.int64))
         return tuple(torch.cat(x) for x in zip(*parts))
 
-    def clear(self) -> None:
-        for t, tier in enumerate(self.tiers):
-            slots, _ = tier.used_slots()
-            tier.free(slots)
-        self.index.clear()
-        self.pending.clear()
-        self.version += 1
+    # ---------------------------------------------------------------- snapshot loads
+    def staging(self) -> TableStore:
+        """An empty store for a snapshot load to fill, beside this one: no caches (they
+        would double this table's device and host memory), its own SSD slabs. `adopt`
+        takes it over once every file was read; until then this store is untouched."""
+        cfg = dataclasses.replace(self.cfg, device_rows=0, host_rows=0)
+        return TableStore(cfg, self.ssd_dir, self.slab_rows, self.device, self.unlink_slabs, self.generation + 1)
 
-    def load_rows(self, ids_N, rows_NW, meta_N3) -> None:
-        """Replace the contents with these rows; the policy's best rows go to the fastest tiers."""
-        self.clear()
-        saved_step, self.step = self.step, _I64_MAX  # nothing is protected while loading
-        self._place(ids_N, rows_NW.to(self.device), meta_N3, 0)
-        self.step = saved_step
+    def stage(self, ids_N: torch.Tensor, rows_NW: torch.Tensor, meta_N3: torch.Tensor) -> None:
+        """Add rows read from a snapshot (staging stores only: straight to SSD)."""
+        self._place(ids_N, rows_NW, meta_N3, 2)
+
+    def adopt(self, staged: TableStore) -> None:
+        """Replace this store's rows, counters and step by a staged store's; the policy's
+        best rows are brought up to this store's caches."""
+        for tier in self.tiers[:2]:
+            tier.free(tier.used_slots()[0])
+        self.tiers[2].destroy()
+        self.tiers[2], self.generation = staged.tiers[2], staged.generation
+        self.index, self.pending = staged.index, staged.pending
+        self.pending.cfg = self.cfg
+        self.step, self.last_sweep = staged.step, staged.last_sweep
+        self.window_start, self.step_done = staged.step + 1, True
+        self.version += 1
+        self.last_locations = None
+        room = sum(t.capacity for t in self.tiers[:2])
+        slots_S, ids_S = self.tiers[2].used_slots()
+        if room and slots_S.numel():
+            meta_S3 = self.tiers[2].meta.gather(slots_S)
+            best = lowest_k(-self._score(meta_S3), -ids_S, room)  # the highest (score, id) first
+            self._promote(ids_S[best], torch.full_like(best, 2), slots_S[best],
+                          self.tiers[2].rows.gather(slots_S[best]).to(self.device), meta_S3[best])
+
+    def destroy(self) -> None:
+        """Delete this store's SSD slabs (a staging store whose load failed)."""
+        for tier in self.tiers:
+            tier.destroy()

@@ -7,7 +7,8 @@ writes, and nothing new is installed. Measured on this machine (sparse/bench.py)
 reads and writes millions of rows/s of dim 64-128 in the warm case; a key-value store
 such as sqlite or RocksDB would cost a Python call (or a batch API with serialization)
 per row. Crash safety does not come from the live slabs: they are a spill area that is
-recreated empty when a store opens, and durability comes from snapshots (snapshot.py),
+recreated empty when a store opens (files of an earlier run that match `SLAB_FILE` are
+removed then), and durability comes from snapshots (snapshot.py),
 which are checksummed and published by an atomic manifest rename. A write-ahead log
 on the live tier would double the write traffic of every spill for no gain, since an
 exact continuation needs the dense model's checkpoint from the same moment anyway.
@@ -19,34 +20,62 @@ metadata (int64 [3]: last access step, access count, last update event time).
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
 META_LAST_ACCESS, META_FREQ, META_LAST_UPDATE = 0, 1, 2
 NUM_META = 3
+# Every file a store names as its slab: <prefix>.<rows|ids|meta>.<5 digits>.slab, with a
+# prefix "tier" (older runs) or "tier.g<generation>" (TableStore: one per snapshot load).
+SLAB_FILE = re.compile(r"tier(\.g\d+)?\.(rows|ids|meta)\.\d{5}\.slab")
+
+
+def remove_slab_files(directory: str) -> None:
+    """Delete the slab files an earlier store left in `directory`, and nothing else."""
+    if os.path.isdir(directory):
+        for name in os.listdir(directory):
+            if SLAB_FILE.fullmatch(name):
+                os.remove(os.path.join(directory, name))
 
 
 class _SlabArray:
     """A 2-D array of rows in equal slabs: one in-memory tensor, or files mapped in memory."""
 
     def __init__(self, width: int, dtype: torch.dtype, slab_rows: int, path_prefix: str | None,
-                 device: torch.device, fill: float | int) -> None:
+                 device: torch.device, fill: float | int, unlink: bool = False) -> None:
         self.width, self.dtype, self.slab_rows = width, dtype, slab_rows
         self.path_prefix, self.device, self.fill = path_prefix, device, fill
+        self.unlink = unlink
         self.slabs: list[torch.Tensor] = []
 
     def add_slab(self) -> None:
         if self.path_prefix is None:
             slab = torch.full((self.slab_rows, self.width), self.fill, dtype=self.dtype, device=self.device)
         else:
-            path = f"{self.path_prefix}.{len(self.slabs):05d}.slab"
+            path = self._path(len(self.slabs))
             if os.path.exists(path):
                 os.remove(path)  # live slabs are never reused across runs (see module doc)
             numel = self.slab_rows * self.width
             slab = torch.from_file(path, shared=True, size=numel, dtype=self.dtype).view(self.slab_rows, self.width)
+            if self.unlink:
+                # The mapping keeps the inode: the file works as before but has no name, so
+                # the kernel frees its blocks when the process ends, kill -9 included.
+                os.remove(path)
             if self.fill != 0:
                 slab.fill_(self.fill)
         self.slabs.append(slab)
+
+    def _path(self, i: int) -> str:
+        return f"{self.path_prefix}.{i:05d}.slab"
+
+    def destroy(self) -> None:
+        """Drop every slab and delete its file (a store replaced by a snapshot load)."""
+        if self.path_prefix is not None and not self.unlink:
+            for i in range(len(self.slabs)):
+                if os.path.exists(self._path(i)):
+                    os.remove(self._path(i))
+        self.slabs = []
 
     @property
     def num_rows(self) -> int:
@@ -80,21 +109,25 @@ class _SlabArray:
         for pos, local, slab in self._groups(slots_N):
             slab.index_put_((local,), values_NW[pos].to(slab.device, slab.dtype))
 
-    def flush(self) -> None:
-        pass  # shared mappings are written back by the kernel; snapshots fsync their own files
-
 
 class Tier:
     """One storage tier. `capacity=None` means growable (SSD), slab by slab."""
 
     def __init__(self, name: str, width: int, capacity: int | None, device: torch.device,
-                 path_prefix: str | None = None, slab_rows: int = 1 << 18) -> None:
+                 path_prefix: str | None = None, slab_rows: int = 1 << 18, unlink_files: bool = False) -> None:
+        """unlink_files: slab files lose their names once mapped (see _SlabArray.add_slab)."""
         self.name = name
         self.growable = capacity is None
         rows_per_slab = slab_rows if capacity is None else max(capacity, 1)
-        self.rows = _SlabArray(width, torch.float32, rows_per_slab, path_prefix and path_prefix + ".rows", device, 0.0)
-        self.ids = _SlabArray(1, torch.int64, rows_per_slab, path_prefix and path_prefix + ".ids", torch.device("cpu"), -1)
-        self.meta = _SlabArray(NUM_META, torch.int64, rows_per_slab, path_prefix and path_prefix + ".meta", torch.device("cpu"), 0)
+        cpu = torch.device("cpu")
+
+        def array(kind, width, dtype, dev, fill):
+            prefix = path_prefix and f"{path_prefix}.{kind}"
+            return _SlabArray(width, dtype, rows_per_slab, prefix, dev, fill, unlink_files)
+
+        self.rows = array("rows", width, torch.float32, device, 0.0)
+        self.ids = array("ids", 1, torch.int64, cpu, -1)
+        self.meta = array("meta", NUM_META, torch.int64, cpu, 0)
         self.capacity = capacity
         self.free_F = torch.empty(0, dtype=torch.int64)
         if capacity != 0:
@@ -149,3 +182,9 @@ class Tier:
 
     def all_meta(self) -> torch.Tensor:
         return torch.cat(self.meta.slabs) if self.meta.slabs else torch.empty(0, NUM_META, dtype=torch.int64)
+
+    def destroy(self) -> None:
+        for array in (self.rows, self.ids, self.meta):
+            array.destroy()
+        self.free_F = torch.empty(0, dtype=torch.int64)
+        self.num_used = 0

@@ -73,6 +73,24 @@ def rows_by_id(tec):
     return out
 
 
+def opened_during(fn) -> list[str]:
+    """Base names of the files the snapshot module opened while fn ran."""
+    from genrec.sparse import snapshot
+
+    seen = []
+
+    def recording_open(path, *args, **kwargs):
+        seen.append(os.path.basename(str(path)))
+        return open(path, *args, **kwargs)
+
+    snapshot.open = recording_open  # shadows the builtin inside that module only
+    try:
+        fn()
+    finally:
+        del snapshot.open
+    return seen
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str, steps: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -91,6 +109,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str, steps: int) -> None:
     probe = tec(hist)["item_id"].values()
     tec.train()
     tec.save_snapshot(os.path.join(out_dir, "snap"))
+    # Same world size: each rank reads its own shard only, not world-size times the I/O.
+    reloaded = TieredEmbeddingCollection(make_config())
+    opened = opened_during(lambda: reloaded.load_snapshot(os.path.join(out_dir, "snap")))
+    shard_files = [f for f in opened if f.endswith(".bin")]
+    assert shard_files and all(f".rank{rank}." in f for f in shard_files), f"rank {rank} read {shard_files}"
+    for name, (ids, rows) in rows_by_id(tec).items():
+        assert torch.equal(ids, rows_by_id(reloaded)[name][0]) and torch.equal(rows, rows_by_id(reloaded)[name][1])
     torch.save({"rows": rows_by_id(tec), "probe": probe}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -122,7 +147,8 @@ def test_two_ranks_equal_one_rank_and_snapshots_reshard(tmp_path):
         hist, _ = kjts(global_batch(0)[r::2])
         torch.testing.assert_close(p["probe"], single(hist)["item_id"].values(), atol=1e-6, rtol=1e-6)
     resharded = TieredEmbeddingCollection(make_config())
-    resharded.load_snapshot(str(tmp_path / "snap"))
+    opened = opened_during(lambda: resharded.load_snapshot(str(tmp_path / "snap")))
+    assert all(any(f".rank{r}." in f for f in opened) for r in range(2)), "2 -> 1 must read both shards"
     for name, (ids, rows) in rows_by_id(resharded).items():
         assert torch.equal(ids, expected[name][0])
         torch.testing.assert_close(rows, expected[name][1], atol=1e-6, rtol=1e-6)

@@ -177,9 +177,17 @@ def test_export_quantized_rows(tmp_path):
     assert manifest["tables"]["item"]["num_rows"] == ids.numel()
     raw = open(tmp_path / "export" / "item.rank0.rows.bin", "rb").read()
     assert raw == qt.rows_ND.numpy().tobytes()
-    q16 = export_quantized(tec, "fp16")
-    torch.testing.assert_close(q16["adv"].dequantize(), q16["adv"].rows_ND.float())
-    assert (q16["item"].dequantize() - exact).abs().max() < 1e-3
+    q16 = export_quantized(tec, "fp16", str(tmp_path / "export16"))
+    for name, dim in (("item", 6), ("adv", 3)):
+        t_ids, t_rows, _ = tec.stores[name].all_rows()
+        fp32 = t_rows[torch.argsort(t_ids), :dim]
+        qt = q16[name]
+        assert torch.equal(qt.ids_N, t_ids.sort().values) and qt.rows_ND.dtype == torch.float16
+        # Round to nearest fp16: within half an fp16 ulp (2^-11 relative; 2^-25 absolute near 0).
+        bound = fp32.abs() * 2.0**-11 + 2.0**-25
+        assert ((qt.dequantize() - fp32).abs() <= bound).all(), name
+        raw = open(tmp_path / "export16" / f"{name}.rank0.rows.bin", "rb").read()
+        assert raw == fp32.to(torch.float16).numpy().tobytes(), name
     with pytest.raises(ValueError, match="'int4'"):
         export_quantized(tec, "int4")
 
@@ -190,3 +198,101 @@ def test_snapshot_dir_uncreatable_names_path(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ValueError, match="cannot create snapshot directory .*file"):
         snap.save_snapshot(tec, str(blocker / "snap"))
+
+
+def test_commit_is_durable_before_the_manifest_rename(tmp_path, monkeypatch):
+    """Every shard file, the version folder and the folder holding it are fsynced before
+    MANIFEST.json is renamed into place (else a crash can publish a manifest whose files
+    or version folder are not on disk)."""
+    tec = TieredEmbeddingCollection(make_config())
+    run_steps(tec, 0, 6)
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.realpath(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.realpath(src), os.path.realpath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = os.path.realpath(tmp_path / "snap")
+    written = tec.save_snapshot(path)
+    monkeypatch.undo()
+    manifest = json.load(open(os.path.join(path, "MANIFEST.json")))
+    vdir = os.path.join(path, f"v{manifest['version']}")
+    commit = events.index(("replace", os.path.join(path, "MANIFEST.json.tmp"), os.path.join(path, "MANIFEST.json")))
+    before = events[:commit]
+    shard_files = [os.path.realpath(p) for p in written if os.path.dirname(os.path.realpath(p)) == vdir]
+    assert sorted(shard_files) == sorted(os.path.join(vdir, f) for f in os.listdir(vdir))
+    for f in shard_files:
+        renamed = before.index(("replace", f + ".tmp", f))
+        assert ("fsync", f + ".tmp") in before[:renamed], f"{f} not fsynced before it was renamed"
+    last_rename = max(before.index(("replace", f + ".tmp", f)) for f in shard_files)
+    assert ("fsync", vdir) in before[last_rename:], "version folder not fsynced after its files were renamed"
+    assert ("fsync", path) in before, "the snapshot folder (entry of the version folder) not fsynced"
+    assert ("fsync", os.path.dirname(path)) in before, "a snapshot folder created by the save: parent not fsynced"
+
+
+def test_manifest_checksum_and_row_counts_are_verified(tmp_path):
+    tec, path, _ = _saved(tmp_path)
+    other = TieredEmbeddingCollection(make_config())
+    run_steps(other, 0, 2)
+    before = full_state(other)
+    mpath = os.path.join(path, "MANIFEST.json")
+    good = open(mpath).read()
+    edited = json.loads(good)
+    edited["event_time"] += 1  # still valid JSON: only the manifest's own checksum can tell
+    open(mpath, "w").write(json.dumps(edited))
+    with pytest.raises(ValueError, match=r"MANIFEST\.json.*checksum"):
+        other.load_snapshot(path)
+    assert_same_state(before, full_state(other))
+    # A row count that disagrees with the shard files, under a valid checksum.
+    edited = json.loads(good)
+    edited["tables"]["item"]["shards"][0]["num_rows"] += 1
+    edited["manifest_crc32"] = snap.manifest_checksum(edited)
+    open(mpath, "w").write(json.dumps(edited))
+    with pytest.raises(ValueError, match=r"item\.rank0\.ids\.bin.*num_rows"):
+        other.load_snapshot(path)
+    assert_same_state(before, full_state(other))
+    open(mpath, "w").write(good)
+    other.load_snapshot(path)
+    assert_same_state(full_state(tec), full_state(other))
+
+
+def _slab_files(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs
+                  if f.endswith(".slab"))
+
+
+def test_io_error_during_load_leaves_store_unchanged(tmp_path, monkeypatch):
+    """An error after some rows were read (here: the SSD tier cannot grow while the second
+    table loads) must leave every table as it was, and no staged slab behind."""
+    from genrec.sparse import tiers
+
+    tec, path, _ = _saved(tmp_path)
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    cfg = make_config(ssd_dir=str(ssd))
+    cfg.ssd_slab_rows = 4
+    other = TieredEmbeddingCollection(cfg)
+    run_steps(other, 0, 2)
+    before, slabs_before = full_state(other), _slab_files(ssd)
+    real = tiers._SlabArray.add_slab
+
+    def no_space_for_adv(self):
+        if self.path_prefix is not None and "adv" in self.path_prefix:
+            raise OSError(28, "No space left on device", self.path_prefix)
+        return real(self)
+
+    monkeypatch.setattr(tiers._SlabArray, "add_slab", no_space_for_adv)
+    with pytest.raises(OSError, match="No space left"):
+        other.load_snapshot(path)
+    monkeypatch.undo()
+    assert_same_state(before, full_state(other))
+    assert _slab_files(ssd) == slabs_before
+    other.load_snapshot(path)
+    assert_same_state(full_state(tec), full_state(other))
