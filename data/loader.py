@@ -57,6 +57,10 @@ class LoaderConfig:
     to a uniform random length in [stochastic_length_min, window] (most recent kept)."""
     stochastic_length_min: int = 16
     """Windows at or below this length are never cut by the stochastic-length sampler."""
+    random_end_prob: float = 0.0
+    """Training modes: probability that a row's window ends at a uniformly drawn event of
+    its sequence (at least 2 events in) instead of at its last one. In ranking mode this
+    makes every event a candidate over the epochs, not only each user's last ones."""
     mode: Literal["retrieval", "ranking", "eval"] = "retrieval"
     """retrieval: history only. ranking: the last `num_candidates` events of each window
     become candidates with labels. eval: the last event is the target (targets_B, and the
@@ -288,6 +292,11 @@ def collate(rows: _Rows, idx_B: np.ndarray, features: FeatureSpec, cfg: LoaderCo
         cand_len_B = np.ones_like(n_B)
         out["targets_B"] = rows.values[features.item][end_B - 1]
     else:
+        if cfg.random_end_prob > 0:
+            move = (n_B >= 2) & (rng.random(len(n_B)) < cfg.random_end_prob)
+            drawn = rng.integers(2, np.maximum(n_B, 2) + 1)
+            n_B = np.where(move, drawn, n_B)
+            end_B = rows.offsets_N1[idx_B] + n_B
         window_B = np.minimum(n_B, L)
         if cfg.stochastic_length_prob > 0:
             cut = (window_B > cfg.stochastic_length_min) & (rng.random(len(n_B)) < cfg.stochastic_length_prob)
@@ -413,6 +422,8 @@ def _validate_cfg(cfg: LoaderConfig, rank: int, world_size: int) -> None:
         raise ValueError(f"loader.max_seq_len must be >= 1, got {cfg.max_seq_len}")
     if cfg.mode not in ("retrieval", "ranking", "eval"):
         raise ValueError(f"loader.mode must be retrieval, ranking or eval, got {cfg.mode!r}")
+    if not 0.0 <= cfg.random_end_prob <= 1.0:
+        raise ValueError(f"loader.random_end_prob must be in [0, 1], got {cfg.random_end_prob}")
     if cfg.mode == "ranking" and cfg.num_candidates < 1:
         raise ValueError(f"loader.num_candidates must be >= 1 in ranking mode, got {cfg.num_candidates}")
     if not 0.0 <= cfg.stochastic_length_prob <= 1.0:

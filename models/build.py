@@ -125,7 +125,7 @@ def dense_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 _SHAPE_KEYS = {
     "dense": ("kind", "embedding_dim", "num_layers", "num_heads", "attention_dim", "linear_dim", "max_seq_len",
               "num_time_buckets", "attention_bias", "position_embedding", "ffn_multiplier"),
-    "model": ("token_combine", "retrieval", "ranking", "ranking_tasks", "ranking_hidden_dim"),
+    "model": ("token_combine", "retrieval", "ranking", "ranking_tasks", "ranking_hidden_dim", "ranking_head_input"),
 }
 
 

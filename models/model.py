@@ -66,6 +66,10 @@ class ModelConfig:
     """Loss weight per ranking task."""
     ranking_hidden_dim: int = 64
     """Hidden width of each task's MLP."""
+    ranking_head_input: Literal["state", "state_and_token"] = "state"
+    """What the task MLP reads: the candidate's tower state, or the state concatenated with
+    the candidate's own token (a wide path: per-ad and per-context effects reach the head
+    directly, as the sparse features do in DLRM-style rankers)."""
 
 
 def _normalize(x: torch.Tensor) -> torch.Tensor:
@@ -153,8 +157,9 @@ class GenerativeRecommender(nn.Module):
         self.label_index = [features.labels.index(t) for t in cfg.ranking_tasks] if cfg.ranking else []
         self.task_heads = None
         if cfg.ranking:
+            head_in = 2 * dim if cfg.ranking_head_input == "state_and_token" else dim
             self.task_heads = nn.Sequential(
-                nn.Linear(dim, cfg.ranking_hidden_dim), nn.SiLU(), nn.Linear(cfg.ranking_hidden_dim, len(cfg.ranking_tasks))
+                nn.Linear(head_in, cfg.ranking_hidden_dim), nn.SiLU(), nn.Linear(cfg.ranking_hidden_dim, len(cfg.ranking_tasks))
             )
         self.register_buffer("item_corpus", torch.zeros(0, dtype=torch.int64), persistent=False)
         self.item_log_q: torch.Tensor | None = None
@@ -194,8 +199,9 @@ class GenerativeRecommender(nn.Module):
         return self.embeddings(kjt)[self.features.item].values()
 
     def encode(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """History states [T, D] (causal), candidate states [C, D] (None without candidates),
-        and the history's item rows [T, D] (the retrieval head's positives)."""
+        """History states [T, D] (causal), the task heads' input per candidate (`head_input`:
+        [C, D] or [C, 2D]; None without candidates), and the history's item rows [T, D] (the
+        retrieval head's positives)."""
         tokens_TD, embedded = self._tokens(batch.history, self.features.sparse, "history")
         item_rows_TD = embedded[self.features.item].values()
         lengths_B = batch.history_lengths_B
@@ -211,7 +217,7 @@ class GenerativeRecommender(nn.Module):
         states = self.tower(values, offsets_B1, ts.squeeze(-1), num_targets_B=cand_lengths_B)
         hist_mask = torch.ones(states.shape[0], dtype=torch.bool, device=states.device)
         hist_mask[cand_pos] = False
-        return states[hist_mask], states[cand_pos], item_rows_TD
+        return states[hist_mask], self.head_input(states[cand_pos], cand_TD), item_rows_TD
 
     # ---- heads --------------------------------------------------------------------------
 
@@ -272,6 +278,12 @@ class GenerativeRecommender(nn.Module):
             logits.append(in_batch.masked_fill(target_ids[None, :] == target_ids[:, None], float("-inf")))
         logits = torch.cat(logits, dim=1) / cfg.temperature
         return F.cross_entropy(logits, torch.zeros(P, dtype=torch.long, device=logits.device))
+
+    def head_input(self, cand_states_CD: torch.Tensor, cand_tokens_CD: torch.Tensor) -> torch.Tensor:
+        """What the task heads read for each candidate (`model.ranking_head_input`)."""
+        if self.cfg.ranking_head_input == "state_and_token":
+            return torch.cat([cand_states_CD, cand_tokens_CD.to(cand_states_CD.dtype)], dim=-1)
+        return cand_states_CD
 
     def ranking_logits(self, cand_states_CD: torch.Tensor) -> torch.Tensor:
         return self.task_heads(cand_states_CD).float()

@@ -390,7 +390,7 @@ class Ranker:
             sel = torch.cat([torch.arange(int(a), int(z)) for a, z in zip(lo_B, hi_B)])
             chunk_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), (hi_B - lo_B).cumsum(0)])
             states_CD[sel] = self.model.tower.score_targets(cache, tokens_CD[sel], chunk_offsets, ts_C[sel])
-        return torch.sigmoid(self.model.ranking_logits(states_CD))
+        return torch.sigmoid(self.model.ranking_logits(self.model.head_input(states_CD, tokens_CD)))
 
     def score_candidates_recompute(self, hist: dict, cand_idx: torch.Tensor, time: int,
                                    rows_per_call: int = 16) -> torch.Tensor:
@@ -408,7 +408,7 @@ class Ranker:
             offsets = torch.arange(r + 1) * (L + 1)
             states = self.model.tower(values, offsets, ts, num_targets_B=torch.ones(r, dtype=torch.int64))
             out.append(states.view(r, L + 1, -1)[:, -1])
-        return torch.sigmoid(self.model.ranking_logits(torch.cat(out)))
+        return torch.sigmoid(self.model.ranking_logits(self.model.head_input(torch.cat(out), cand_TD)))
 
     def memory_bytes(self) -> int:
         """Bytes held by tables, item index and dense weights."""

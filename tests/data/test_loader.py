@@ -253,3 +253,35 @@ def test_convert_then_prepare_then_load_movielens(tmp_path):
         assert torch.equal(batch.history_lengths_B, (num_ratings - 1).clamp(max=20))
         tokens += batch.num_tokens
     assert len(users) == 943 and tokens == sum(min(n - 1, 20) for n in ratings.values())
+
+
+def test_random_window_end_makes_every_event_a_candidate_in_order(ad_prepared):
+    """With random_end_prob = 1 a row's window ends at a drawn event: history and candidates
+    stay a contiguous, time-ordered slice of the user's sequence ending there, and over the
+    epochs candidates come from all over the sequence, not only from its end."""
+    rows = split_rows(ad_prepared / "train")
+    C = 2
+    cfg = LoaderConfig(batch_size=16, max_seq_len=6, mode="ranking", num_candidates=C, random_end_prob=1.0)
+    loader = make_loader(ad_prepared / "train", AD_FEATURES, cfg)
+    offsets_from_end = Counter()
+    for _ in range(4):  # epochs
+        for batch in loader:
+            hists = per_user(batch, "history", batch.history_lengths_B)
+            cand_lengths_B = batch.candidates.lengths()[: batch.batch_size]
+            cands = per_user(batch, "candidates", cand_lengths_B)
+            labels = torch.split(batch.labels_CL, cand_lengths_B.tolist())
+            for b, user in enumerate(batch.user_ids_B.tolist()):
+                items = rows[user][AD_FEATURES.item]
+                window = hists[b][AD_FEATURES.item] + cands[b][AD_FEATURES.item]
+                n = len(window)
+                starts = [s for s in range(len(items) - n + 1) if items[s:s + n] == window]
+                assert starts, (user, window)
+                end = starts[-1] + n
+                assert end >= 2
+                offsets_from_end[len(items) - end] += 1
+                clicks = rows[user]["click"][end - len(cands[b][AD_FEATURES.item]):end]
+                assert labels[b][:, AD_FEATURES.labels.index("click")].tolist() == clicks
+    assert offsets_from_end[0] < sum(offsets_from_end.values()) / 2  # most windows end before the last event
+    assert len(offsets_from_end) > 10
+    with pytest.raises(ValueError, match="random_end_prob"):
+        make_loader(ad_prepared / "train", AD_FEATURES, replace(cfg, random_end_prob=1.5))
