@@ -143,10 +143,13 @@ def config_fingerprint(cfg: JobConfig) -> dict[str, object]:
     return flat
 
 
-def eval_loader(cfg: JobConfig, split: str, *, rank: int = 0, world_size: int = 1):
-    """The loader of a prepared evaluation split: in order, each last event the target."""
+def eval_loader(cfg: JobConfig, split: str, *, rank: int = 0, world_size: int = 1, full_history: bool = False):
+    """The loader of a prepared evaluation split: in order, each last event the target.
+    `full_history`: histories are not cut to `data.loader.max_seq_len` (for seen-item
+    filters; the model's window is cut from them)."""
     loader_cfg = dataclasses.replace(
-        cfg.data.loader, mode="eval", shuffle=False, stochastic_length_prob=0.0, drop_last=False
+        cfg.data.loader, mode="eval", shuffle=False, stochastic_length_prob=0.0, random_end_prob=0.0,
+        drop_last=False, **({"max_seq_len": 2**31 - 1} if full_history else {}),
     )
     return make_loader(Path(cfg.data.path) / split, cfg.data.features, loader_cfg, rank=rank, world_size=world_size)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from genrec.data.batch import Batch
 from genrec.models.ids import sorted_positions
@@ -40,25 +41,48 @@ def target_ranks(
     return torch.where(target_found_B, ranks_B, torch.full_like(ranks_B, len(item_corpus)))
 
 
+def last_window(batch: Batch, window: int | None) -> Batch:
+    """`batch` with each history cut to its last `window` events (None: unchanged)."""
+    lengths_B = batch.history_lengths_B
+    if window is None or not lengths_B.numel() or int(lengths_B.max()) <= window:
+        return batch
+    keep_B = lengths_B.clamp(max=window)
+    ends_B = batch.history_offsets_B1[1:]
+    rows_T = torch.repeat_interleave(torch.arange(len(keep_B)), keep_B)
+    starts_T = torch.repeat_interleave(ends_B - keep_B, keep_B)
+    idx_T = starts_T + torch.arange(len(rows_T)) - torch.repeat_interleave(
+        torch.ops.fbgemm.asynchronous_complete_cumsum(keep_B)[:-1], keep_B)
+    keys = batch.history.keys()
+    history = KeyedJaggedTensor(keys=keys, values=torch.cat([batch.history[k].values()[idx_T] for k in keys]),
+                                lengths=keep_B.repeat(len(keys)))
+    return Batch(user_ids_B=batch.user_ids_B, history=history, timestamps_T=batch.timestamps_T[idx_T],
+                 history_lengths_B=keep_B, targets_B=batch.targets_B)
+
+
 def batch_ranks(
-    model: GenerativeRecommender, batch: Batch, item_corpus: torch.Tensor, item_emb_ND: torch.Tensor
+    model: GenerativeRecommender, batch: Batch, item_corpus: torch.Tensor, item_emb_ND: torch.Tensor,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Full-corpus rank of each user's target with the batch's history items excluded."""
-    user_BD = model.user_embeddings(batch)
+    """Full-corpus rank of each user's target with every history item excluded (the whole
+    history of `batch`, of which the model reads the last `window` events)."""
+    user_BD = model.user_embeddings(last_window(batch, window))
     return target_ranks(user_BD @ item_emb_ND.T, batch.targets_B, item_corpus,
                         batch.history[model.features.item].values(), batch.history_lengths_B)
 
 
 @torch.no_grad()
 def evaluate_retrieval(
-    model: GenerativeRecommender, batches: Iterable[Batch], ks: Sequence[int] = (10, 50, 200)
+    model: GenerativeRecommender, batches: Iterable[Batch], ks: Sequence[int] = (10, 50, 200),
+    window: int | None = None,
 ) -> dict[str, float]:
-    """HR@K, NDCG@K and MRR over all ranks' users (summed across ranks when distributed)."""
+    """HR@K, NDCG@K and MRR over all ranks' users (summed across ranks when distributed).
+    `batches` carry whole histories (seen items are all of them); the model reads the last
+    `window` events, as `genrec eval` does."""
     item_corpus = model.item_corpus
     item_emb_ND = model.item_embeddings(item_corpus)
     metrics = RetrievalMetrics(ks=ks, keep_ranks=False)
     for batch in batches:
-        metrics.update_ranks(batch_ranks(model, batch, item_corpus, item_emb_ND))
+        metrics.update_ranks(batch_ranks(model, batch, item_corpus, item_emb_ND, window))
     names = metrics.metric_names
     local = metrics.compute()
     sums = all_reduce_sum([metrics.count] + [(local[n] or 0.0) * metrics.count for n in names])

@@ -248,13 +248,15 @@ class Trainer:
         valid = Path(self.cfg.data.path) / "valid"
         if not self.cfg.model.retrieval or not any(valid.glob("*.parquet")):
             return {}
-        loader = eval_loader(self.cfg, "valid", rank=self.dist.rank, world_size=self.dist.world_size)
+        loader = eval_loader(self.cfg, "valid", rank=self.dist.rank, world_size=self.dist.world_size,
+                             full_history=True)
         max_users = self.cfg.train.eval_max_users
         max_batches = (-(-max_users // (self.cfg.data.loader.batch_size * self.dist.world_size))
                        if max_users else None)
         self.model.eval()
         with self._autocast():
-            result = evaluate_retrieval(self.model, itertools.islice(loader, max_batches), ks=VALIDATION_KS)
+            result = evaluate_retrieval(self.model, itertools.islice(loader, max_batches), ks=VALIDATION_KS,
+                                        window=self.cfg.data.loader.max_seq_len)
         self.model.train()
         return {f"valid/{k}": v for k, v in result.items()}
 

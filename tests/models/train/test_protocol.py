@@ -161,3 +161,22 @@ def test_unsupported_negatives_are_errors_naming_the_key(prepared, tmp_path):
     with pytest.raises(ValueError, match="model.full_softmax_max_items"):
         _model(prepared, tmp_path, negatives="full", full_softmax_max_items=10)
     assert to_dict(cfg)["model"]["negatives"] == "in_batch"
+
+
+def test_training_validation_is_genrec_evals_metric(prepared, tmp_path):
+    """Histories here are longer than the model's window (24): validation must filter every
+    seen item, not only the window's, exactly as `genrec eval` does."""
+    from genrec.models.evaluation.evaluate import run_evaluation
+    from genrec.models.train.trainer import run_training
+
+    run = tmp_path / "run"
+    cfg = tiny_config(prepared, run, max_steps=4, checkpoint_every=1000, eval_max_users=0)
+    cfg.model.ranking = False
+    run_training(cfg)
+    valid = next(r for r in _records(run) if "valid/ndcg@10" in r)
+    rows = load_manifest(prepared)["counts"]["rows"]["valid"]
+    assert valid["valid/num_users"] == rows
+    run_evaluation(run, prepared, "valid", out_dir=tmp_path / "report")
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    for name in ("hr@10", "ndcg@10", "mrr"):
+        assert valid[f"valid/{name}"] == pytest.approx(report[f"retrieval.{name}"], abs=1e-9), name
