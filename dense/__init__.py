@@ -14,6 +14,8 @@ Input is jagged:
     timestamps_T  int64 [T]      event times (seconds), aligned with values_TD
     num_targets_B int64 [B] | None   the last num_targets_B[b] tokens of row b are ranking
                                      candidates (target-aware mask), None = plain causal
+    query_time_B  int64 [B] | None   TowerConfig.time_bias_query="next" only: the time row b's
+                                     last history event is scored at (e.g. the request time)
 
 Example: users with 3 and 1 events, D = 64:
 

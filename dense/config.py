@@ -44,6 +44,13 @@ class TowerConfig:
     attention_bias: Literal["time_and_position", "position", "time", "none"] = "time_and_position"
     """HSTU relative attention bias (rab): learned per relative position and/or per
     log-bucketed time gap, shared by all heads."""
+    time_bias_query: Literal["own", "next"] = "own"
+    """HSTU: the query time ts_q(i) of the time-gap bias ts_w[bucket(ts_q(i) - ts(j))]. "own":
+    the query's own time (the diagonal is always bucket 0). "next" (the public reference): the
+    time of the event being predicted, ts(i + 1) of the same row, so each key carries "time
+    since that event, at prediction time"; a row's last history event takes the caller's
+    `query_time_B` (e.g. the request time) or else its own time, and ranking candidates their
+    own (impression) time. Keys always use their own time."""
     uvqk_activation: Literal["silu_all", "silu_u"] = "silu_all"
     """HSTU: SiLU on all of U, V, Q, K (paper) or on U only (production variant)."""
     scale_qk: bool = False
@@ -91,6 +98,8 @@ class TowerConfig:
                 raise ValueError(f"TowerConfig.{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0.0 < self.bucket_min_fill <= 1.0:
             raise ValueError(f"TowerConfig.bucket_min_fill must be in (0, 1], got {self.bucket_min_fill}")
+        if self.time_bias_query not in ("own", "next"):
+            raise ValueError(f'TowerConfig.time_bias_query must be "own" or "next", got {self.time_bias_query!r}')
         if self.kind == "hstu" and self.kernel == "sdpa":
             raise ValueError('TowerConfig.kernel="sdpa" is a Transformer kernel; HSTU takes "chunked"')
         if self.kind != "hstu" and self.kernel == "chunked":

@@ -29,7 +29,7 @@ class TileArgs(ctypes.Structure):
         ("ts", ctypes.c_void_p), ("thr", ctypes.c_void_p), ("ts_w", ctypes.c_void_p),
         ("pos_w", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("hist", ctypes.c_void_p),
         ("alpha", ctypes.c_float), ("inv_divisor", ctypes.c_float), ("tidx", ctypes.c_void_p),
-        ("nthreads", ctypes.c_int64)]
+        ("nthreads", ctypes.c_int64), ("qts", ctypes.c_void_p)]
 
 
 def library() -> ctypes.CDLL | None:
@@ -81,21 +81,28 @@ def _ptr(t: torch.Tensor | None):
 
 
 def tile_args(*, G, H, bq, K, N, i0, P, NB, ts, thr, ts_w, pos_w, pos, hist, alpha,
-              divisor, tidx=None) -> TileArgs:
+              divisor, tidx=None, qts=None) -> TileArgs:
+    """`qts`: [G, N] query times of the time bias; None means the same as `ts`."""
     # Every tensor passed here must stay alive (and contiguous) for the duration of the call.
     return TileArgs(G, H, bq, K, N, i0, P, NB, _ptr(ts), _ptr(thr), _ptr(ts_w), _ptr(pos_w),
                     _ptr(pos), _ptr(hist), alpha, 1.0 / divisor, _ptr(tidx),
-                    torch.get_num_threads())
+                    torch.get_num_threads(), _ptr(qts))
 
 
-def time_index(ts_GN: torch.Tensor, num_buckets: int, divisor: float) -> torch.Tensor:
-    """uint8 [G, N, N] time bucket of every pair (the C twin of bias.time_buckets)."""
+def time_index(ts_GN: torch.Tensor, num_buckets: int, divisor: float,
+               query_ts_GN: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 [G, N, N] time bucket of every (query i, key j) pair, of query_ts_GN[g, i] -
+    ts_GN[g, j] (query times default to ts_GN); the C twin of bias.time_buckets."""
     G, N = ts_GN.shape
     ts_GN = ts_GN.contiguous()
+    if query_ts_GN is not None:
+        assert query_ts_GN.shape == ts_GN.shape
+        query_ts_GN = query_ts_GN.contiguous()
     thr = time_thresholds(num_buckets, divisor)
     out = torch.empty(G, N, N, dtype=torch.uint8)
     args = tile_args(G=G, H=1, bq=N, K=N, N=N, i0=0, P=1, NB=num_buckets, ts=ts_GN, thr=thr,
-                     ts_w=None, pos_w=None, pos=None, hist=None, alpha=1.0, divisor=divisor)
+                     ts_w=None, pos_w=None, pos=None, hist=None, alpha=1.0, divisor=divisor,
+                     qts=query_ts_GN)
     library().hstu_time_index(ctypes.byref(args), out.data_ptr())
     return out
 

@@ -7,6 +7,10 @@ Worked example (B = 2, row 0 has 3 history events + 2 ranking candidates, row 1 
     lengths_B      [5, 1]      history_lengths_B [3, 1]
     positions_T    [0, 1, 2, 3, 3, 0]   (both candidates sit right after the history)
     timestamps_T   [100, 160, 200, 210, 210, 50]
+    query_timestamps_T  time_bias_query="own":  = timestamps_T
+                        time_bias_query="next", query_time_B [300, 90]:
+                   [160, 200, 300, 210, 210, 90]   (history: the next event's time, the last
+                   history event: query_time_B; candidates: their own time)
 
 Padded views used by the reference kernel put token t of row b at b * max_len + i.
 Length buckets used by the fast kernels group rows of similar length (longest first) and
@@ -32,7 +36,10 @@ class LengthBucket:
     positions_GN: torch.Tensor
     """int64 [G, N]: position of each token (candidates share the post-history position)."""
     timestamps_GN: torch.Tensor
-    """int64 [G, N]."""
+    """int64 [G, N]: key times."""
+    query_timestamps_GN: torch.Tensor
+    """int64 [G, N]: query times of the time bias; the very tensor `timestamps_GN` when the
+    layout's query times are the tokens' own."""
     has_targets: bool
     """Any row of the bucket has ranking candidates (then the mask is not plain causal)."""
 
@@ -44,6 +51,10 @@ class JaggedLayout:
     history_lengths_B: torch.Tensor
     positions_T: torch.Tensor
     timestamps_T: torch.Tensor
+    """int64 [T]: each token's own time; the key time of the time bias."""
+    query_timestamps_T: torch.Tensor
+    """int64 [T]: the query time of the time bias; the very tensor `timestamps_T` under
+    time_bias_query="own" (the C tile is then given no second timestamp array)."""
     max_len: int
     has_targets: bool
     # Built lazily by `padded_index` / `buckets`.
@@ -102,6 +113,9 @@ class JaggedLayout:
         T = self.num_tokens
         pad_pos = torch.cat([self.positions_T, self.positions_T.new_zeros(1)])
         pad_ts = torch.cat([self.timestamps_T, self.timestamps_T.new_zeros(1)])
+        own_query_ts = self.query_timestamps_T is self.timestamps_T
+        pad_qts = pad_ts if own_query_ts else \
+            torch.cat([self.query_timestamps_T, self.query_timestamps_T.new_zeros(1)])
         buckets, gathers = [], []
         for rows in groups:
             rows_G = torch.tensor(rows, device=device, dtype=torch.long)
@@ -111,9 +125,11 @@ class JaggedLayout:
             valid_GN = ar_N[None, :] < self.lengths_B[rows_G][:, None]
             idx_GN = torch.where(valid_GN, idx_GN, torch.full_like(idx_GN, T))
             hist_G = self.history_lengths_B[rows_G]
+            ts_GN = pad_ts[idx_GN]
             buckets.append(LengthBucket(
                 num_rows=len(rows), max_len=N, history_lengths_G=hist_G,
-                positions_GN=pad_pos[idx_GN], timestamps_GN=pad_ts[idx_GN],
+                positions_GN=pad_pos[idx_GN], timestamps_GN=ts_GN,
+                query_timestamps_GN=ts_GN if own_query_ts else pad_qts[idx_GN],
                 has_targets=bool((hist_G < self.lengths_B[rows_G]).any())))
             gathers.append(idx_GN.reshape(-1))
         gather = torch.cat(gathers) if gathers else torch.zeros(0, dtype=torch.long, device=device)
@@ -124,8 +140,11 @@ class JaggedLayout:
 
 
 def make_layout(offsets_B1: torch.Tensor, timestamps_T: torch.Tensor,
-                num_targets_B: torch.Tensor | None, max_seq_len: int) -> JaggedLayout:
-    """Validates the jagged input and derives lengths, history lengths and positions."""
+                num_targets_B: torch.Tensor | None, max_seq_len: int, *,
+                time_bias_query: str = "own", query_time_B: torch.Tensor | None = None) -> JaggedLayout:
+    """Validates the jagged input and derives lengths, history lengths, positions and the
+    query times of the time bias (see `TowerConfig.time_bias_query`; `query_time_B` is the
+    query time of each row's last history event under "next", ignored under "own")."""
     if offsets_B1.dim() != 1 or offsets_B1.numel() < 1:
         raise ValueError(f"offsets_B1 must be 1-D [B+1], got shape {tuple(offsets_B1.shape)}")
     offsets_B1 = offsets_B1.long()
@@ -148,8 +167,24 @@ def make_layout(offsets_B1: torch.Tensor, timestamps_T: torch.Tensor,
     row_T = torch.repeat_interleave(torch.arange(lengths_B.numel(), device=offsets_B1.device),
                                     lengths_B, output_size=T)
     in_row_T = torch.arange(T, device=offsets_B1.device) - offsets_B1[row_T]
-    positions_T = torch.minimum(in_row_T, history_lengths_B[row_T])
+    hist_T = history_lengths_B[row_T]
+    positions_T = torch.minimum(in_row_T, hist_T)
+    timestamps_T = timestamps_T.long()
+    if query_time_B is not None and query_time_B.shape != lengths_B.shape:
+        raise ValueError(f"query_time_B must be int64 [{lengths_B.numel()}] (one time per row, "
+                         f"B = len(offsets_B1) - 1), got shape {tuple(query_time_B.shape)}")
+    assert time_bias_query in ("own", "next"), time_bias_query
+    query_timestamps_T = timestamps_T
+    if time_bias_query == "next":
+        # History event i is scored at the time of event i + 1 of its row; the last history
+        # event at the caller's query time (or its own); candidates at their own time.
+        next_T = torch.cat([timestamps_T[1:], timestamps_T[-1:]])
+        query_timestamps_T = torch.where(in_row_T < hist_T - 1, next_T, timestamps_T)
+        if query_time_B is not None:
+            query_timestamps_T = torch.where(in_row_T == hist_T - 1, query_time_B.long()[row_T],
+                                             query_timestamps_T)
     return JaggedLayout(
         offsets_B1=offsets_B1, lengths_B=lengths_B, history_lengths_B=history_lengths_B,
-        positions_T=positions_T, timestamps_T=timestamps_T.long(), max_len=max_len,
+        positions_T=positions_T, timestamps_T=timestamps_T,
+        query_timestamps_T=query_timestamps_T, max_len=max_len,
         has_targets=num_targets_B is not None and bool((num_targets_B > 0).any()))

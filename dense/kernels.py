@@ -10,7 +10,11 @@ which is plain causal when a row has no candidates, and target-aware otherwise: 
 (i >= hist) see the whole history and themselves, never each other.
 
 HSTU pointwise attention:  out_i = sum_j visible(i, j) * SiLU(alpha q_i.k_j + rab(i, j)) / n_i * v_j
+                           rab(i, j) = pos_w[pos_i - pos_j] + ts_w[bucket(ts_q(i) - ts(j))]
 Transformer attention:     out_i = softmax_j over visible (q_i.k_j / sqrt(d_qk)) v_j
+
+ts_q is `layout.query_timestamps_T` (a token's own time, or the next event's time under
+TowerConfig.time_bias_query="next"), ts the keys' own `layout.timestamps_T`.
 
 `KERNELS[(kind, name)]` is the registry the blocks look up:
 
@@ -98,8 +102,9 @@ def hstu_attention_reference(q_THd, k_THd, v_THd, layout: JaggedLayout, ts_w, po
     B, N = layout.batch_size, layout.max_len
     q, k, v = _pad(q_THd, layout), _pad(k_THd, layout), _pad(v_THd, layout)
     pos, ts = _pad(layout.positions_T, layout), _pad(layout.timestamps_T, layout)
+    qts = _pad(layout.query_timestamps_T, layout)
     s_BHNN = torch.einsum("bnhd,bmhd->bhnm", q, k) * p.alpha
-    rab = relative_bias(pos[:, :, None], ts[:, :, None], pos[:, None, :], ts[:, None, :], ts_w, pos_w, p)
+    rab = relative_bias(pos[:, :, None], qts[:, :, None], pos[:, None, :], ts[:, None, :], ts_w, pos_w, p)
     if rab is not None:
         s_BHNN = s_BHNN + rab[:, None]
     ar = torch.arange(N, device=q.device)
@@ -132,12 +137,12 @@ def _time_index(bucket: LengthBucket, p: HSTUAttentionParams) -> torch.Tensor:
     idx = getattr(bucket, "_time_index", None)
     if idx is None:
         G, N = bucket.num_rows, bucket.max_len
-        ts = bucket.timestamps_GN
+        ts, qts = bucket.timestamps_GN, bucket.query_timestamps_GN
         idx = torch.empty(G, N, N, dtype=torch.uint8, device=ts.device)
         step = max(1, 2_000_000 // max(1, G * N))
         for r0 in range(0, N, step):
             r1 = min(N, r0 + step)
-            dt = ts[:, r0:r1, None] - ts[:, None, :]
+            dt = qts[:, r0:r1, None] - ts[:, None, :]
             idx[:, r0:r1] = time_buckets(dt, p.num_time_buckets, p.time_bucket_divisor).to(torch.uint8)
         bucket._time_index = idx
     return idx
@@ -190,9 +195,15 @@ def _fused_time_index(bucket: LengthBucket, p: HSTUAttentionParams) -> torch.Ten
     """uint8 [G, N, N] time buckets, computed once per tower call (cached on the bucket)."""
     idx = getattr(bucket, "_time_index", None)
     if idx is None:
-        idx = _fused.time_index(bucket.timestamps_GN, p.num_time_buckets, p.time_bucket_divisor)
+        idx = _fused.time_index(bucket.timestamps_GN, p.num_time_buckets, p.time_bucket_divisor,
+                                _own_or(bucket.query_timestamps_GN, bucket.timestamps_GN))
         bucket._time_index = idx
     return idx
+
+
+def _own_or(query_ts: torch.Tensor, ts: torch.Tensor) -> torch.Tensor | None:
+    """Query times for the C tile: None (its NULL, "same as ts") when they are the keys' own."""
+    return None if query_ts is ts else query_ts.contiguous()
 
 
 def _fused_state(q, k, v, ts_w, pos_w, bucket, p):
@@ -202,6 +213,7 @@ def _fused_state(q, k, v, ts_w, pos_w, bucket, p):
     G, H, N, _ = q.shape
     keep = dict(  # held by the closure so the raw pointers stay valid
         ts=None if ts_w is None else bucket.timestamps_GN.contiguous(),
+        qts=None if ts_w is None else _own_or(bucket.query_timestamps_GN, bucket.timestamps_GN),
         tidx=None if ts_w is None else _fused_time_index(bucket, p),
         thr=_fused.time_thresholds(p.num_time_buckets, p.time_bucket_divisor),
         ts_w=None if ts_w is None else ts_w.detach().float().contiguous(),
@@ -383,7 +395,9 @@ def hstu_target_attention_fused(q_BHMd, k_BHMd, v_BHMd, cache_k_BHLd, cache_v_BH
 
     Each row is laid out as [L cached history slots, M candidates]; candidates are queries
     L..L+M-1. The tile's mask then gives exactly the target-aware semantics: padded history
-    slots (j >= hist) and other candidates are invisible, the candidate sees itself.
+    slots (j >= hist) and other candidates are invisible, the candidate sees itself. Only
+    candidates are queries here and they are scored at their own time, so the tile's query
+    times are the keys' own under either `time_bias_query`.
     """
     if not (p.fused and _fused.supports(q_BHMd, cache_k_BHLd, cache_v_BHLd, ts_w, pos_w)):
         return None

@@ -19,6 +19,10 @@ The same candidate states, history encoded once:
 
     states, cache = tower.encode_history(history_TD, [0, 3, 4], ts_T)
     cand_states_CD = tower.score_targets(cache, [c0 c1 c2], [0, 2, 3], cand_ts_C)
+
+With TowerConfig.time_bias_query="next", history event i's time bias is taken at the time of
+event i + 1; pass the time of the prediction (e.g. the request time) for each row's last
+history event as query_time_B [B] to forward / encode_history, same value to both.
 """
 
 from __future__ import annotations
@@ -100,20 +104,32 @@ class SequenceTower(nn.Module):
                 x_TD = layer(x_TD, layout)
         return self.final_norm(x_TD), kvs
 
+    def _layout(self, offsets_B1, timestamps_T, num_targets_B, query_time_B) -> JaggedLayout:
+        return make_layout(offsets_B1, timestamps_T, num_targets_B, self.cfg.max_seq_len,
+                           time_bias_query=self.cfg.time_bias_query, query_time_B=query_time_B)
+
     def forward(self, values_TD: torch.Tensor, offsets_B1: torch.Tensor, timestamps_T: torch.Tensor,
-                num_targets_B: torch.Tensor | None = None) -> torch.Tensor:
+                num_targets_B: torch.Tensor | None = None,
+                query_time_B: torch.Tensor | None = None) -> torch.Tensor:
         """Jagged [T, D] -> jagged [T, D]; the last num_targets_B[b] tokens of row b are
-        ranking candidates under the target-aware mask (None: plain causal)."""
+        ranking candidates under the target-aware mask (None: plain causal).
+
+        query_time_B: int64 [B] or None; under TowerConfig.time_bias_query="next" the query
+        time of row b's last history event (the request time at serving, the target event's
+        time at evaluation); None: its own time. Ignored under "own"."""
         self._check_values(values_TD, offsets_B1, "values_TD")
-        layout = make_layout(offsets_B1, timestamps_T, num_targets_B, self.cfg.max_seq_len)
+        layout = self._layout(offsets_B1, timestamps_T, num_targets_B, query_time_B)
         return self._run_layers(self._embed_input(values_TD, layout.positions_T), layout)[0]
 
     @torch.no_grad()
     def encode_history(self, values_TD: torch.Tensor, offsets_B1: torch.Tensor,
-                       timestamps_T: torch.Tensor) -> tuple[torch.Tensor, HistoryCache]:
-        """Causal encoding of the histories, keeping each layer's keys and values."""
+                       timestamps_T: torch.Tensor,
+                       query_time_B: torch.Tensor | None = None) -> tuple[torch.Tensor, HistoryCache]:
+        """Causal encoding of the histories, keeping each layer's keys and values; equals the
+        history rows of forward(history + candidates, num_targets_B, query_time_B) for the
+        same query_time_B (candidates never change the history's query times)."""
         self._check_values(values_TD, offsets_B1, "values_TD")
-        layout = make_layout(offsets_B1, timestamps_T, None, self.cfg.max_seq_len)
+        layout = self._layout(offsets_B1, timestamps_T, None, query_time_B)
         states, kvs = self._run_layers(self._embed_input(values_TD, layout.positions_T), layout, keep_kv=True)
         B, L = layout.batch_size, layout.max_len
         index = layout.padded_index()
@@ -137,7 +153,8 @@ class SequenceTower(nn.Module):
                       target_offsets_B1: torch.Tensor, target_timestamps_C: torch.Tensor) -> torch.Tensor:
         """Candidate states against the cached histories; equals the candidate rows of
         forward(history + candidates, num_targets_B=candidate counts). Candidates are
-        scored `target_micro_batch` per row at a time; each costs O(history) per layer."""
+        scored `target_micro_batch` per row at a time; each costs O(history) per layer.
+        Candidates are queries at their own time under either `time_bias_query`."""
         self._check_values(target_values_CD, target_offsets_B1, "target_values_CD")
         B = cache.history_lengths_B.numel()
         if target_offsets_B1.shape != (B + 1,):

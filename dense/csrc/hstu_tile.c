@@ -3,6 +3,7 @@
  * A tile is queries [i0, i0 + bq) x keys [0, K) of G rows x H heads. The matmuls stay in
  * ATen (bf16 AMX / fp32 BLAS); this file does, in one pass over the tile,
  *   forward:  a = vis(i, j) ? SiLU(alpha s + ts_w[tidx] + pos_w[rel]) : 0
+ *             (tidx = bucket of |qts[i] - ts[j]|: query time vs key time)
  *   backward: a as above, ds = vis ? da * SiLU'(x) : 0, and d ts_w / d pos_w sums.
  * Plain C + OpenMP, no torch headers, loaded through ctypes (compiles in about a second).
  * dtype flags: 0 = float32, 1 = bfloat16.
@@ -34,7 +35,14 @@ typedef struct {
   float inv_divisor;
   const uint8_t *tidx;   /* [G, N, N] precomputed time buckets (hstu_time_index), or NULL */
   int64_t nthreads;      /* torch.get_num_threads(): respect the process's thread budget */
+  const int64_t *qts;    /* [G, N] query times of the time bias, or NULL: the same as ts.
+                          * fused.py TileArgs mirrors this struct field for field; both keep
+                          * it last so earlier offsets never move. */
 } tile_args;
+
+static inline int64_t query_time(const tile_args *t, int64_t g, int64_t i) {
+  return t->qts ? t->qts[g * t->N + i] : t->ts[g * t->N + i];
+}
 
 /* Time bucket of |ti - tj|: logf gives a guess, the integer thresholds correct it by one
  * step either way so the result equals the PyTorch reference exactly (see row_bias). */
@@ -83,7 +91,7 @@ static void row_bias(const tile_args *t, int64_t g, int64_t i, float *brow, floa
     }
   } else if (t->ts) {
     const int64_t *ts = t->ts + g * N;
-    const int64_t ti = ts[i];
+    const int64_t ti = query_time(t, g, i);
 #pragma omp simd
     for (int64_t j = 0; j < K; ++j) {
       const int b = time_bucket(t, ti, ts[j]);
@@ -202,7 +210,7 @@ void hstu_time_index(const tile_args *t, uint8_t *out) {
   for (int64_t g = 0; g < t->G; ++g)
     for (int64_t i = 0; i < N; ++i) {
       const int64_t *ts = t->ts + g * N;
-      const int64_t ti = ts[i];
+      const int64_t ti = query_time(t, g, i);
       uint8_t *o = out + (g * N + i) * N;
 #pragma omp simd
       for (int64_t j = 0; j < N; ++j) o[j] = (uint8_t)time_bucket(t, ti, ts[j]);

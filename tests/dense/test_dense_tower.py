@@ -271,3 +271,39 @@ def test_sasrec_fast_kernel_and_kv_cache_match_the_reference(with_targets):
     want = torch.cat([full[sum(hist[:b]) + sum(cand[:b]) + hist[b]: sum(hist[:b + 1]) + sum(cand[:b + 1])]
                       for b in range(3)])
     torch.testing.assert_close(scored, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("normalizer", ["max_seq_len", "num_keys"])
+@pytest.mark.parametrize("kernel", ["reference", "auto"])
+@pytest.mark.parametrize("with_query_time", [False, True])
+def test_kv_cache_scoring_equals_full_recompute_with_next_query_time(normalizer, kernel, with_query_time):
+    """time_bias_query="next": the cached history (each event's bias taken at the next event's
+    time, the last at query_time_B) and candidates scored against it at their own time equal
+    the full forward with num_targets_B and the same query_time_B."""
+    hist_len, cand_len = [5, 1, 12, 0, 3], [4, 7, 0, 2, 1]
+    tower = perturbed(build_tower(small_cfg(normalizer=normalizer, kernel=kernel, target_micro_batch=3,
+                                            dropout=0.3, time_bias_query="next"))).eval()
+    hist, hist_ts = rows(hist_len, seed=2)
+    cand, _ = rows(cand_len, seed=3)
+    cand_ts = [(h[-1] if len(h) else 0) + torch.arange(n) * 7 for h, n in zip(hist_ts, cand_len)]
+    # The request time, a while after the last event (and before the impressions' times).
+    query_time = torch.stack([(h[-1] if len(h) else torch.tensor(0)) + 3 for h in hist_ts]) \
+        if with_query_time else None
+    full_len = [h + c for h, c in zip(hist_len, cand_len)]
+    full = torch.cat([torch.cat([h, c]) for h, c in zip(hist, cand)])
+    full_ts = torch.cat([torch.cat([h, c]) for h, c in zip(hist_ts, cand_ts)])
+    with torch.no_grad():
+        y = tower(full, offsets(full_len), full_ts, torch.tensor(cand_len), query_time)
+    off = offsets(full_len)
+    want_cand = torch.cat([y[int(off[b]) + hist_len[b]:int(off[b + 1])] for b in range(5)])
+    want_hist = torch.cat([y[int(off[b]):int(off[b]) + hist_len[b]] for b in range(5)])
+    states, cache = tower.encode_history(torch.cat(hist), offsets(hist_len), torch.cat(hist_ts), query_time)
+    got = tower.score_targets(cache, torch.cat(cand), offsets(cand_len), torch.cat(cand_ts))
+    assert want_cand.abs().max() > 1.0  # a meaningful scale for the 1e-5 comparison
+    torch.testing.assert_close(got, want_cand, rtol=0, atol=1e-5)
+    torch.testing.assert_close(states, want_hist, rtol=0, atol=1e-5)
+    # The query time is in effect: the same weights under "own" give other states.
+    own = build_tower(small_cfg(normalizer=normalizer, kernel=kernel, target_micro_batch=3, dropout=0.3))
+    own.load_state_dict(tower.state_dict())
+    own_states, _ = own.eval().encode_history(torch.cat(hist), offsets(hist_len), torch.cat(hist_ts))
+    assert (own_states - states).abs().max() > 1e-3
