@@ -39,6 +39,25 @@ class OptimConfig:
     grad_clip_norm: float | None = 1.0
     """Clip the global dense-gradient L2 norm to this; None turns clipping off."""
 
+    def __post_init__(self) -> None:
+        _check("train.optim", self, nonnegative=("lr", "weight_decay", "warmup_steps"), positive=("eps",))
+        if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
+            raise ValueError(f"train.optim.grad_clip_norm must be > 0 or none, got {self.grad_clip_norm}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"train.optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"train.optim.betas must be two numbers in [0, 1), got {self.betas}")
+
+
+def _check(section: str, obj: object, *, positive: tuple[str, ...] = (), nonnegative: tuple[str, ...] = ()) -> None:
+    """ValueError naming `section.key` for a number out of range."""
+    for name in positive:
+        if getattr(obj, name) <= 0:
+            raise ValueError(f"{section}.{name} must be > 0, got {getattr(obj, name)}")
+    for name in nonnegative:
+        if getattr(obj, name) < 0:
+            raise ValueError(f"{section}.{name} must be >= 0, got {getattr(obj, name)}")
+
 
 @dataclass(kw_only=True)
 class DataConfig:
@@ -96,6 +115,18 @@ class TrainConfig:
     """How the dense tower is data-parallel under torchrun."""
     pipeline: bool = True
     """Load the next batch and prefetch its rows while the current batch computes."""
+    num_threads: int = 0
+    """torch intra-op threads per rank; 0: the cores this process may use divided by the
+    ranks on this node (never more threads than cores: oversubscribed, spin-waiting OpenMP
+    threads measured 6-8x slower than one thread). `genrec` also sets OMP_WAIT_POLICY=PASSIVE
+    unless the environment says otherwise."""
+
+    def __post_init__(self) -> None:
+        _check("train", self, positive=("max_steps", "checkpoint_every", "log_every", "keep_checkpoints"),
+               nonnegative=("eval_every", "eval_every_epochs", "eval_max_users", "early_stop_patience",
+                            "num_threads"))
+        if self.num_epochs is not None and self.num_epochs < 1:
+            raise ValueError(f"train.num_epochs must be >= 1 or unset, got {self.num_epochs}")
 
 
 @dataclass(kw_only=True)

@@ -50,6 +50,10 @@ TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
+class CorruptCheckpoint(ValueError):
+    """A checkpoint file is missing, truncated or fails its checksum (not a config mismatch)."""
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -84,9 +88,9 @@ def verify_file(f: Path, meta: dict[str, Any], *, checksum: bool = True) -> None
     """Refuse a checkpoint file that is missing or differs from its marker entry (size
     always; sha256 unless `checksum=False`)."""
     if not f.is_file():
-        raise ValueError(f"checkpoint file {f} is missing")
+        raise CorruptCheckpoint(f"checkpoint file {f} is missing")
     if f.stat().st_size != meta["bytes"] or (checksum and sha256_file(f) != meta["sha256"]):
-        raise ValueError(f"checkpoint file {f} is corrupt or truncated (checksum mismatch)")
+        raise CorruptCheckpoint(f"checkpoint file {f} is corrupt or truncated (checksum mismatch)")
 
 
 def verify_shared(path: Path, marker: dict[str, Any], *, checksum: bool) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -93,7 +92,5 @@ def run(quick: bool = False, threads: int = 2, seed: int | None = None) -> dict:
         "tokens_per_s": sum(tokens) / len(tokens) if tokens else None,
         "seconds_to_hr10_0p08": _seconds_to(records, start, "valid/hr@10", TARGET_HR10),
         "steps": max(r["step"] for r in records),
-        "conditions": {"load_average_before": load_before, "load_average_after": os.getloadavg(),
-                       "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-                       "cpu_count": os.cpu_count()},
+        "conditions": {"load_average_before_training": list(load_before)},
     }

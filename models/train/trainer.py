@@ -11,10 +11,14 @@ dense parameters.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
+import os
 import random
+import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -27,11 +31,11 @@ from genrec.data.files import atomic_write_text
 from genrec.data.loader import make_loader
 from genrec.data.prepare import load_manifest
 from genrec.models.build import build_model, eval_loader, config_fingerprint, dense_named_parameters, load_item_corpus
-from genrec.models.runs import CONFIG_FILE, read_best, sparse_snapshot_dir, step_dir_name, write_best
+from genrec.models.runs import CONFIG_FILE, CorruptCheckpoint, read_best, sparse_snapshot_dir, step_dir_name, write_best
 from genrec.models.train.checkpoint import CheckpointManager, capture_rng_state, install_stop_signals, restore_rng_state
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import to_dict
-from genrec.models.ranks import DistInfo
+from genrec.models.ranks import DistInfo, any_rank
 from genrec.models.train.distributed import init_distributed, shutdown
 from genrec.models.train.progress import ProgressLogger
 from genrec.models.train.schedule import build_dense_optimizer, warmup_cosine
@@ -89,7 +93,7 @@ class _Prefetcher:
 
 class Trainer:
     def __init__(self, cfg: JobConfig, dist_info: DistInfo, *, resume: bool = False) -> None:
-        cfg = resolve_epochs(cfg, dist_info.world_size)
+        cfg = resolve_epochs(copy.deepcopy(cfg), dist_info.world_size)
         self.cfg = cfg
         self.dist = dist_info
         tc = cfg.train
@@ -97,9 +101,12 @@ class Trainer:
             raise ValueError(f"train.best_metric {tc.best_metric!r} is not computed by validation; "
                              f"choose one of {list(VALIDATION_METRICS)} or none")
         if tc.optim.warmup_steps > tc.max_steps:
-            raise ValueError(
-                f"train.optim.warmup_steps ({tc.optim.warmup_steps}) must not exceed train.max_steps ({tc.max_steps})"
-            )
+            if dist_info.is_main:
+                print(f"genrec train: train.optim.warmup_steps ({tc.optim.warmup_steps}) is longer than the run; "
+                      f"warming up over all {tc.max_steps} steps instead", file=sys.stderr, flush=True)
+            tc.optim = dataclasses.replace(tc.optim, warmup_steps=tc.max_steps)
+        self.num_threads = tc.num_threads or default_threads()
+        torch.set_num_threads(self.num_threads)
         # The same seed on every rank: replicas start equal and draw the same negatives, so
         # N ranks reproduce one rank's run on the same global batch.
         seed_everything(tc.seed, tc.deterministic)
@@ -127,9 +134,10 @@ class Trainer:
             self.checkpoints.pinned.add(int(self.best["step"]))
         self.validations_since_best = 0
         self.saved_step: int | None = None
-        latest = self.checkpoints.latest(required=resume)
-        if latest is not None:
-            self._restore(latest)
+        self.stopped_by: str | None = None
+        """The signal that stopped training early (None: it ran to the end)."""
+        self.checkpoints.latest(required=resume)  # resume demanded: a checkpoint must exist
+        self._restore_newest_intact()
         if dist_info.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             saved = to_dict(cfg)
@@ -198,6 +206,7 @@ class Trainer:
                     parts["samples_per_s"] = window["samples"] * self.dist.world_size / elapsed
                     parts["tokens_per_s"] = window["tokens"] * self.dist.world_size / elapsed
                     parts.update(store_hit_rates(self.store.stats()))
+                    parts["threads"] = self.num_threads
                     window = {"samples": 0, "tokens": 0, "t0": time.perf_counter()}
                     logger.log(self.step, parts)
                 if tc.eval_every and self.step % tc.eval_every == 0:
@@ -213,7 +222,9 @@ class Trainer:
             if self.saved_step != self.step:
                 self.save(loader_state)
             if stopped:
-                logger.write(f"stopped by a signal at step {self.step}; checkpoint saved")
+                logger.write(f"stopped by {stop.signal_name or 'a signal on another rank'} at step {self.step}; "
+                             "checkpoint saved")
+                self.stopped_by = stop.signal_name or "SIGTERM"
         finally:
             stop.restore()
             batches.close()
@@ -280,14 +291,41 @@ class Trainer:
         )
         self.saved_step = self.step
 
-    def _restore(self, path: Path) -> None:
-        dense_state, rank_state = self.checkpoints.load(path, config_fingerprint=self.fingerprint)
+    def _restore_newest_intact(self) -> None:
+        """Resume from the newest complete checkpoint whose files verify on every rank; a
+        corrupt one is skipped with a warning naming it (so `torchrun --max-restarts` does
+        not fail the same way on every restart). A config mismatch is still an error."""
+        for _, path in reversed(self.checkpoints.complete_steps()):
+            problem = None
+            try:
+                dense_state, rank_state = self.checkpoints.load(path, config_fingerprint=self.fingerprint)
+            except CorruptCheckpoint as e:
+                problem = str(e)
+            if any_rank(problem is not None):
+                if self.dist.is_main:
+                    print(f"genrec train: warning: skipping checkpoint {path}: "
+                          f"{problem or 'another rank found its files corrupt'}", file=sys.stderr, flush=True)
+                continue
+            try:
+                self._restore(path, dense_state, rank_state)
+            except CorruptCheckpoint as e:  # the sparse snapshot's own CRCs
+                if self.dist.is_main:
+                    print(f"genrec train: warning: skipping checkpoint {path}: {e}", file=sys.stderr, flush=True)
+                continue
+            return
+        if self.checkpoints.complete_steps():
+            raise CorruptCheckpoint(f"no intact checkpoint in {self.checkpoints.root}: every one failed to verify")
+
+    def _restore(self, path: Path, dense_state: dict, rank_state: dict) -> None:
         missing, unexpected = self.model.load_state_dict(dense_state["model"], strict=False)
         assert not unexpected and all(k.startswith("embeddings.") for k in missing), (missing, unexpected)
         self.optimizer.load_state_dict(dense_state["optimizer"])
         self.scheduler.load_state_dict(dense_state["scheduler"])
         self.scaler.load_state_dict(dense_state["scaler"])
-        self.store.load_snapshot(str(sparse_snapshot_dir(path)))
+        try:
+            self.store.load_snapshot(str(sparse_snapshot_dir(path)))
+        except ValueError as e:  # its own CRCs or sizes; the config was checked by the fingerprint
+            raise CorruptCheckpoint(f"{sparse_snapshot_dir(path)}: {e}") from e
         self.loader.load_state_dict(rank_state["loader"])
         restore_rng_state(rank_state["rng"])
         self.step = int(rank_state["step"])
@@ -321,6 +359,16 @@ def resolve_epochs(cfg: JobConfig, world_size: int) -> JobConfig:
     return dataclasses.replace(cfg, train=tc)
 
 
+def default_threads() -> int:
+    """The cores this process may use, shared by the ranks of this node."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cores // max(1, local_ranks))
+
+
 def store_hit_rates(stats: dict[str, dict[str, int]]) -> dict[str, float]:
     """Share of row lookups (all tables, this rank, since start) served by each tier."""
     tiers = ("device", "host", "ssd")
@@ -329,9 +377,25 @@ def store_hit_rates(stats: dict[str, dict[str, int]]) -> dict[str, float]:
     return {f"hit_{t}": hits[t] / total for t in tiers} if total else {}
 
 
+class StoppedBySignal(Exception):
+    """Training stopped early on SIGTERM / SIGINT, after saving a checkpoint. The command
+    line exits with 128 + the signal number (143 for SIGTERM), as a killed process would,
+    so that schedulers and torchrun do not read the run as finished."""
+
+    def __init__(self, signal_name: str, step: int) -> None:
+        super().__init__(f"stopped by {signal_name} at step {step}; checkpoint saved, resume with the same command")
+        self.signal_name = signal_name
+        self.exit_code = 128 + int(getattr(signal, signal_name))
+
+
 def run_training(cfg: JobConfig, *, resume: bool = False) -> list[float]:
+    """Train; returns this process's losses. Raises StoppedBySignal after a stop signal."""
     dist_info = init_distributed()
     try:
-        return Trainer(cfg, dist_info, resume=resume).train()
+        trainer = Trainer(cfg, dist_info, resume=resume)
+        losses = trainer.train()
+        if trainer.stopped_by is not None:
+            raise StoppedBySignal(trainer.stopped_by, trainer.step)
+        return losses
     finally:
         shutdown()
