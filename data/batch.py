@@ -53,6 +53,9 @@ class Batch:
     """float32 [C, num_labels]: 0/1 labels per candidate and task."""
     targets_B: torch.Tensor | None = None
     """int64 [B]: the held-out next item per user (evaluation splits only)."""
+    query_time_B: torch.Tensor | None = None
+    """int64 [B]: when the prediction from each user's last history event is made (the
+    target's time in evaluation, the request time in serving); None: unknown."""
 
     @property
     def batch_size(self) -> int:
@@ -79,4 +82,5 @@ class Batch:
             candidate_timestamps_C=move(self.candidate_timestamps_C),
             labels_CL=move(self.labels_CL),
             targets_B=move(self.targets_B),
+            query_time_B=move(self.query_time_B),
         )

@@ -206,7 +206,8 @@ class GenerativeRecommender(nn.Module):
         item_rows_TD = embedded[self.features.item].values()
         lengths_B = batch.history_lengths_B
         if batch.candidates is None:
-            states = self.tower(tokens_TD, batch.history_offsets_B1, batch.timestamps_T)
+            states = self.tower(tokens_TD, batch.history_offsets_B1, batch.timestamps_T,
+                                query_time_B=batch.query_time_B)
             return states, None, item_rows_TD
         cand_TD, _ = self._tokens(self._candidate_kjt(batch.candidates), self.candidate_features, "candidates")
         cand_lengths_B = batch.candidates.lengths().view(len(batch.candidates.keys()), -1)[0].long()
@@ -214,7 +215,8 @@ class GenerativeRecommender(nn.Module):
         ts, _, _ = interleave_jagged(
             batch.timestamps_T.unsqueeze(-1), lengths_B, batch.candidate_timestamps_C.unsqueeze(-1), cand_lengths_B
         )
-        states = self.tower(values, offsets_B1, ts.squeeze(-1), num_targets_B=cand_lengths_B)
+        states = self.tower(values, offsets_B1, ts.squeeze(-1), num_targets_B=cand_lengths_B,
+                            query_time_B=_request_time(batch, cand_lengths_B))
         hist_mask = torch.ones(states.shape[0], dtype=torch.bool, device=states.device)
         hist_mask[cand_pos] = False
         return states[hist_mask], self.head_input(states[cand_pos], cand_TD), item_rows_TD
@@ -329,10 +331,25 @@ class GenerativeRecommender(nn.Module):
         return torch.sigmoid(self.ranking_logits(cand_states))
 
 
+def _request_time(batch: Batch, cand_lengths_B: torch.Tensor) -> torch.Tensor:
+    """When a ranking batch's candidates are requested: `query_time_B` if given, else each
+    row's first candidate's time (its last event's for a row without candidates), so that
+    training encodes the history as serving does for a request at that time."""
+    if batch.query_time_B is not None:
+        return batch.query_time_B
+    ts_C = batch.candidate_timestamps_C
+    first_B = torch.ops.fbgemm.asynchronous_complete_cumsum(cand_lengths_B)[:-1]
+    last_B = (batch.history_offsets_B1[1:] - 1).clamp(min=0)
+    own_B = batch.timestamps_T[last_B] if batch.timestamps_T.numel() else torch.zeros_like(cand_lengths_B)
+    if not ts_C.numel():
+        return own_B
+    return torch.where(cand_lengths_B > 0, ts_C[first_B.clamp(max=ts_C.numel() - 1)], own_B)
+
+
 def _without_candidates(batch: Batch) -> Batch:
     if batch.candidates is None:
         return batch
     return Batch(
         user_ids_B=batch.user_ids_B, history=batch.history, timestamps_T=batch.timestamps_T,
-        history_lengths_B=batch.history_lengths_B, targets_B=batch.targets_B,
+        history_lengths_B=batch.history_lengths_B, targets_B=batch.targets_B, query_time_B=batch.query_time_B,
     )

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-BENCHES = ("data", "sparse", "dense", "train", "serve")
+BENCHES = ("data", "sparse", "dense", "train", "serve", "quality")
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -33,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source", required=True, choices=["movielens", "sasrec-txt", "s3rec-txt", "criteo"])
     p.add_argument("--input", dest="inputs", nargs="+", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
 
     p = sub.add_parser("prepare", help="event logs -> per-user sequences with a split")
     src = p.add_mutually_exclusive_group(required=True)
@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=["fp32", "fp16", "int8"], default="fp32",
                    help="storage of the embedding rows and the item index")
+    p.add_argument("--data", help="prepared data directory (default: the path the run trained on)")
+    p.add_argument("--model-version", help="version the artifact reports (default: RUN-STEP-DTYPE)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing artifact directory")
 
     p = sub.add_parser("eval", help="offline evaluation report")
@@ -70,9 +72,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="CPU threads for scoring")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests scored together")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a request waits for a batch to fill")
-    p.add_argument("--max-k", type=int, default=1000, help="largest K (retrieved candidates) a request may ask for")
-    p.add_argument("--max-history", type=int, default=None,
-                   help="history events used per request (default: the tower's max_seq_len - 1)")
+    p.add_argument("--max-queue", type=int, default=256, help="rank requests in the server at once (503 beyond)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (413 beyond)")
+    # ServingConfig's fields; a flag left unset keeps the dataclass default (in the help).
+    for flag, kind, text in (
+        ("--max-k", int, "largest K (retrieved candidates) a request may ask for (default 1000)"),
+        ("--max-n", int, "largest N (returned items) a request may ask for (default 1000)"),
+        ("--max-history", int, "history events used per request (default: the tower's max_seq_len - 1)"),
+        ("--max-request-events", int, "events a request may send; more is a 422, not a truncation (default 100000)"),
+        ("--micro-batch", int, "candidates scored at once against a cached history (default 128)"),
+        ("--retrieval-block-rows", int, "item-index rows per retrieval block (default 65536)"),
+        ("--advertiser-feature", str, "item feature that allowed_advertisers filters on (default advertiser_id)"),
+    ):
+        p.add_argument(flag, type=kind, help=text)
+    p.add_argument("--reload-token-file", help="file holding the /admin/reload bearer token (else "
+                                               "$GENREC_RELOAD_TOKEN); without a token, no reload endpoint")
+    p.add_argument("--reload-dir", dest="reload_dirs", action="append", default=[], metavar="DIR",
+                   help="reload only artifacts under DIR (repeatable)")
+    p.add_argument("--allowed-hosts", type=lambda s: [h.strip() for h in s.split(",") if h.strip()], default=[],
+                   metavar="NAME,...", help="Host header names accepted besides loopback ('*': any)")
 
     p = sub.add_parser("bench", help="benchmarks; prints and writes a JSON of figures and ratios")
     p.add_argument("name", choices=BENCHES)
@@ -91,32 +109,21 @@ def _not_implemented(name: str) -> int:
     return 2
 
 
-def _write_json(obj: dict, path: str | None) -> None:
-    text = json.dumps(obj, indent=2, sort_keys=True)
-    print(text)
-    if path:
-        from genrec.data.files import atomic_write_text
-
-        atomic_write_text(path, text + "\n")
-
-
 def run_command(args: argparse.Namespace) -> int:
     from genrec.scripts import commands
 
     handler = getattr(commands, args.command.replace("-", "_"), None)
     if handler is None:
         return _not_implemented(args.command)
-    if args.command == "bench":
-        result = handler(args)
-        if result is None:
-            return _not_implemented(f"bench {args.name}")
-        _write_json(result, args.json_out)
-        return 0
     return handler(args) or 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from genrec.models.process import keep_large_allocations, passive_openmp_waits
+
+    passive_openmp_waits()
+    keep_large_allocations()
     try:
         return run_command(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import sys
 
 
 def synth(args: argparse.Namespace) -> int:
@@ -24,7 +26,7 @@ def synth(args: argparse.Namespace) -> int:
 def convert(args: argparse.Namespace) -> int:
     from genrec.data.convert import convert as convert_dataset
 
-    summary = convert_dataset(args.source, args.inputs, args.out)
+    summary = convert_dataset(args.source, args.inputs, args.out, overwrite=args.overwrite)
     print(f"wrote {summary['num_events']:,} events ({summary['num_users']:,} users) to {args.out}")
     return 0
 
@@ -42,7 +44,7 @@ def prepare(args: argparse.Namespace) -> int:
         if not args.inputs:
             raise ValueError("--from needs --input FILE [FILE ...]")
         logs = f"{args.out}.logs"
-        convert_dataset(args.source, args.inputs, logs)
+        convert_dataset(args.source, args.inputs, logs, overwrite=args.overwrite)
     pc = cfg.data.prepare
     manifest = prepare_sequences(
         logs, args.out, cfg.data.features, pc.split, memory_budget_mb=pc.memory_budget_mb,
@@ -56,28 +58,39 @@ def prepare(args: argparse.Namespace) -> int:
 def train(args: argparse.Namespace) -> int:
     from genrec.models.config import JobConfig
     from genrec.models.config_loader import load_config
-    from genrec.models.train.trainer import run_training
+    from genrec.models.train.trainer import StoppedBySignal, run_training
 
     cfg = load_config(JobConfig, args.config, args.overrides)
-    run_training(cfg, resume=args.resume)
+    try:
+        run_training(cfg, resume=args.resume)
+    except StoppedBySignal as e:
+        print(f"genrec train: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 
 def export(args: argparse.Namespace) -> int:
     from genrec.models.serving.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, version=args.model_version,
+                            data_dir=args.data, overwrite=args.overwrite)
     print(f"wrote artifact {out}")
     return 0
 
 
 def serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from genrec.models.serving.ranker import ServingConfig
     from genrec.models.serving.server import serve as run_server
 
+    # A flag left unset (or not there) keeps ServingConfig's default.
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServingConfig)
+             if getattr(args, f.name, None) is not None}
     run_server(args.artifact, host=args.host, port=args.port, threads=args.threads,
-               max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
-               serving_cfg=ServingConfig(max_k=args.max_k, max_history=args.max_history))
+               max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+               max_body_bytes=args.max_body_bytes, reload_token_file=args.reload_token_file,
+               reload_dirs=args.reload_dirs, allowed_hosts=args.allowed_hosts, serving_cfg=ServingConfig(**given))
     return 0
 
 
@@ -88,21 +101,36 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench(args: argparse.Namespace) -> dict | None:
+def bench(args: argparse.Namespace) -> int:
+    """Run one benchmark; print its figures (with the conditions they were taken under) as
+    JSON and write them to --json."""
     module = {
         "data": "genrec.data.bench",
         "sparse": "genrec.sparse.bench",
         "dense": "genrec.dense.bench",
         "train": "genrec.models.train.bench",
         "serve": "genrec.models.serving.bench",
+        "quality": "genrec.models.train.bench_quality",
     }[args.name]
     try:
         run = importlib.import_module(module).run
     except ModuleNotFoundError as e:
         if e.name == module:
-            return None
+            print(f"genrec bench {args.name}: not implemented yet", file=sys.stderr)
+            return 2
         raise
-    return run(quick=args.quick)
+    from genrec.models.benchrecord import finish_record, start_record
+
+    record = start_record()
+    figures = run(quick=args.quick)
+    figures["conditions"] = {**figures.get("conditions", {}), **finish_record(record)}
+    text = json.dumps(figures, indent=2, sort_keys=True)
+    print(text)
+    if args.json_out:
+        from genrec.data.files import atomic_write_text
+
+        atomic_write_text(args.json_out, text + "\n")
+    return 0
 
 
 def eval(args: argparse.Namespace) -> int:  # noqa: A001 - the subcommand's name

@@ -266,7 +266,8 @@ class _Rows:
         keys = scored.features.sparse
         events, len_B = _keep_last(self.before_target, self.before_target_len_B, scored.window)
         return Batch(user_ids_B=self.user_ids_B, history=_kjt(events, len_B, keys), timestamps_T=events[TS],
-                     history_lengths_B=len_B, targets_B=self.target_B[scored.features.item])
+                     history_lengths_B=len_B, targets_B=self.target_B[scored.features.item],
+                     query_time_B=self.target_B[TS])
 
     def ranking_batch(self, scored: _Scored) -> Batch:
         keys = scored.features.sparse

@@ -8,6 +8,7 @@ a miss at rank N.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -56,7 +57,7 @@ def last_window(batch: Batch, window: int | None) -> Batch:
     history = KeyedJaggedTensor(keys=keys, values=torch.cat([batch.history[k].values()[idx_T] for k in keys]),
                                 lengths=keep_B.repeat(len(keys)))
     return Batch(user_ids_B=batch.user_ids_B, history=history, timestamps_T=batch.timestamps_T[idx_T],
-                 history_lengths_B=keep_B, targets_B=batch.targets_B)
+                 history_lengths_B=keep_B, targets_B=batch.targets_B, query_time_B=batch.query_time_B)
 
 
 def batch_ranks(
@@ -65,6 +66,9 @@ def batch_ranks(
 ) -> torch.Tensor:
     """Full-corpus rank of each user's target with every history item excluded (the whole
     history of `batch`, of which the model reads the last `window` events)."""
+    if batch.query_time_B is None and batch.candidate_timestamps_C is not None:
+        # An evaluation batch's one candidate per user is its target: the prediction's time.
+        batch = dataclasses.replace(batch, query_time_B=batch.candidate_timestamps_C)
     user_BD = model.user_embeddings(last_window(batch, window))
     return target_ranks(user_BD @ item_emb_ND.T, batch.targets_B, item_corpus,
                         batch.history[model.features.item].values(), batch.history_lengths_B)

@@ -26,10 +26,17 @@ framework-independent record of the full forward (history + candidates under the
 target-aware mask), traced with the tower's plain-PyTorch reference kernel (the fast kernels
 call C through raw pointers) on one example jagged layout by `torch.export.draft_export` (the
 tower's jagged bookkeeping is data-dependent), so it carries runtime asserts that the call has
-that layout; `load_program` returns it. The serving path does not run it: it rebuilds the tower from the
-manifest's `TowerConfig` plus `dense.safetensors` (no pickle anywhere) so that it can use the
-tower's per-layer key/value cache (`encode_history` / `score_targets`, M-FALCON) on any
-history length. Loading never unpickles: JSON + safetensors only, after checksums pass.
+that layout. The serving path does not run it: it rebuilds the tower from the manifest's
+`TowerConfig` plus `dense.safetensors` so that it can use the tower's per-layer key/value
+cache (`encode_history` / `score_targets`, M-FALCON) on any history length.
+
+Loading never unpickles: JSON + safetensors only, after checksums pass. genrec never opens
+`tower.pt2` beyond hashing it: `torch.export.load` unpickles parts of the archive (its sample
+inputs fall back to `weights_only=False`, and so do tensor subclasses) and `sympy.sympify`s
+(evals) its symbolic shapes, so a crafted program runs code however its checksum looks. A
+tool that wants the program loads it itself (`torch.export.load(ARTIFACT / "tower.pt2")`), and
+only from an artifact it trusts. The checksums catch corruption, not tampering: whoever can
+rewrite a file can rewrite the manifest beside it.
 """
 
 from __future__ import annotations
@@ -389,6 +396,19 @@ def read_manifest(artifact_dir: str | os.PathLike) -> dict:
     for key in ("version", "dtype", "features", "model", "tower", "tables", "files", "feature_dims", "dim"):
         if key not in manifest:
             raise ValueError(f"{path}: manifest lacks {key!r}")
+    # The loaders index into these: a malformed manifest is refused here, naming the key.
+    for key, kind in (("version", str), ("dtype", str), ("features", dict), ("model", dict), ("tower", dict),
+                      ("tables", dict), ("files", dict), ("feature_dims", dict), ("dim", int)):
+        if not isinstance(manifest[key], kind):
+            raise ValueError(f"{path}: manifest {key!r} must be a {kind.__name__}, got {type(manifest[key]).__name__}")
+    if not isinstance(manifest["tower"].get("max_seq_len"), int):
+        raise ValueError(f"{path}: manifest lacks an integer 'tower.max_seq_len'")
+    for name, meta in manifest["tables"].items():
+        if not isinstance(meta, dict) or not isinstance(meta.get("features"), list):
+            raise ValueError(f"{path}: manifest 'tables.{name}' needs a 'features' list")
+    for rel, info in manifest["files"].items():
+        if not (isinstance(info, dict) and isinstance(info.get("sha256"), str) and isinstance(info.get("bytes"), int)):
+            raise ValueError(f"{path}: manifest 'files.{rel}' needs 'sha256' (a string) and 'bytes' (an integer)")
     return manifest
 
 
@@ -396,10 +416,13 @@ def verify_artifact(artifact_dir: str | os.PathLike) -> dict:
     """Manifest after checking every listed file's size and sha256; names the bad file."""
     root = Path(artifact_dir)
     manifest = read_manifest(root)
+    real_root = root.resolve()
     for rel, info in manifest["files"].items():
         path = root / rel
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise ValueError(f"{root / MANIFEST}: file entry {rel!r} points outside the artifact")
+        if real_root not in path.resolve().parents:
+            raise ValueError(f"artifact file {rel} is a link out of {root}")
         if not path.is_file():
             raise ValueError(f"artifact file {rel} is missing from {root}")
         size = path.stat().st_size
@@ -432,19 +455,11 @@ def load_artifact_contents(artifact_dir: str | os.PathLike) -> ArtifactContents:
             raise ValueError(f"artifact file {rel}: needs tensors 'ids' and 'rows'")
         tables[name] = ServingTable(ids_N=t["ids"], rows_ND=t["rows"], scale_bias_N2=t.get("scale_bias"))
     index = _load_safetensors(root, ITEM_INDEX_FILE, manifest)
+    if "item_ids" not in index or "embeddings" not in index:
+        raise ValueError(f"artifact file {ITEM_INDEX_FILE}: needs tensors 'item_ids' and 'embeddings'")
     side = {k[len("feature."):]: v for k, v in index.items() if k.startswith("feature.")}
     return ArtifactContents(
         path=root, manifest=manifest, dense_state=dense_state, tables=tables,
         item_ids_N=index["item_ids"], item_rows_ND=index["embeddings"],
         item_scale_N=index.get("scale"), item_side_features=side,
     )
-
-
-def load_program(artifact_dir: str | os.PathLike):
-    """The exported tower program (`torch.export.load`), after checksums pass. Not used by
-    serving; for tools that run the portable forward."""
-    root = Path(artifact_dir)
-    manifest = verify_artifact(root)
-    if not manifest.get("program"):
-        raise ValueError(f"{root}: this artifact was exported without the torch.export program")
-    return torch.export.load(str(root / PROGRAM_FILE))

@@ -6,25 +6,39 @@ artifact with `models/serving/artifact.py`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow.dataset as ds
 import torch
 
 from genrec.models.config_loader import to_dict
-from genrec.models.runs import load_trained, resolve_checkpoint
+from genrec.models.runs import CONFIG_FILE, load_trained, resolve_checkpoint
 from genrec.models.serving.artifact import export_artifact, item_features_from_events
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
-                      version: str | None = None, overwrite: bool = False) -> Path:
+                      version: str | None = None, data_dir: str | Path | None = None,
+                      overwrite: bool = False) -> Path:
     """`genrec export`: a checkpoint -> a serving artifact (see models/serving/artifact.py).
 
     The item index is the training split's item list; each item's side features (advertiser,
-    campaign, ...) are taken from its last training event.
+    campaign, ...) are taken from its last training event. data_dir: the prepared data
+    directory (default: the path in the run's config, which may not exist on this machine).
+    version: default RUN-STEP-DTYPE, so the fp32 and int8 artifacts of one checkpoint differ.
     """
     step_dir, run_dir = resolve_checkpoint(checkpoint)
-    cfg, model = load_trained(step_dir)
+    if data_dir is None:
+        trained_on = json.loads((run_dir / CONFIG_FILE).read_text()).get("data", {}).get("path")
+        if not trained_on or not Path(trained_on).is_dir():
+            raise ValueError(f"{run_dir / CONFIG_FILE}: the run trained on data.path={trained_on!r}, which is not a "
+                             "directory here: pass the prepared data directory (genrec export --data DIR)")
+        overrides = None
+    else:
+        if not Path(data_dir).is_dir():
+            raise ValueError(f"export: data directory {data_dir} does not exist")
+        overrides = {"data": {"path": str(Path(data_dir).resolve())}}
+    cfg, model = load_trained(step_dir, overrides=overrides)
     side = [f for f in model.candidate_features if f != cfg.data.features.item]
     item_features = None
     if side:
@@ -34,7 +48,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
         item_features = item_features_from_events(
             model.item_corpus, flat[cfg.data.features.item], {f: flat[f] for f in side}
         )
-    version = version or f"{run_dir.name}-{step_dir.name}"
+    version = version or f"{run_dir.name}-{step_dir.name}-{dtype}"
     return export_artifact(
         model, to_dict(cfg), out_dir, dtype=dtype, item_ids=model.item_corpus, version=version,
         item_features=item_features, overwrite=overwrite,

@@ -282,7 +282,8 @@ class Ranker:
     def encode(self, hist: list[dict]):
         """Step 1: the histories once through the tower -> (normalized user vectors [B, D], cache)."""
         tokens_TD, offsets_B1, ts_T = self.history_tokens(hist)
-        states_TD, cache = self.model.tower.encode_history(tokens_TD, offsets_B1, ts_T)
+        request_time_B = torch.tensor([h["request_time"] for h in hist], dtype=torch.int64)
+        states_TD, cache = self.model.tower.encode_history(tokens_TD, offsets_B1, ts_T, query_time_B=request_time_B)
         return F.normalize(states_TD[offsets_B1[1:] - 1].float(), dim=-1, eps=1e-6), cache
 
     def _filters(self, req: RankRequest, hist: dict) -> dict[str, torch.Tensor]:

@@ -1,19 +1,29 @@
-"""Export artifact: contents, checksums (tamper / truncation refused by file name), no pickle,
-id index with a default row, quantization error bounds, the torch.export program."""
+"""Export artifact: contents, checksums (tamper / truncation refused by file name), no pickle
+(not even from a crafted program file), id index with a default row, quantization error
+bounds, the torch.export program."""
 
 from __future__ import annotations
 
+import ast
+import hashlib
+import io
 import json
 import pickle
+import re
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
 
+from genrec.models.serving import artifact as artifact_module
+from genrec.models.serving import ranker as ranker_module
 from genrec.models.serving.artifact import (
-    ServingTable, dequantize_rows, export_artifact, load_artifact_contents, load_program, quantize_rows,
-    verify_artifact,
+    ServingTable, dequantize_rows, export_artifact, load_artifact_contents, quantize_rows, verify_artifact,
 )
 from genrec.models.serving.bench import build_synthetic_model
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +138,20 @@ def test_missing_item_side_features_is_an_error(model_and_items, tmp_path):
                         item_features={"category_id": feats["category_id"]}, version="v")
 
 
-def test_exported_program_reproduces_the_tower(tmp_path):
+@pytest.fixture(scope="module")
+def program_artifact(tmp_path_factory):
     model, item_ids, feats = build_synthetic_model(num_items=50, dim=8, max_seq_len=32, num_layers=1)
-    art = export_artifact(model, {}, tmp_path / "a", dtype="fp32", item_ids=item_ids, item_features=feats,
-                          version="v", export_program=True)
+    art = export_artifact(model, {}, tmp_path_factory.mktemp("program") / "a", dtype="fp32", item_ids=item_ids,
+                          item_features=feats, version="v", export_program=True)
+    return model, art
+
+
+def test_exported_program_reproduces_the_tower(program_artifact):
+    model, art = program_artifact
     manifest = verify_artifact(art)
     assert manifest["program"]["file"] == "tower.pt2" and "tower.pt2" in manifest["files"]
-    program = load_program(art).module()
+    # This test trusts the file it has just written; genrec itself never loads it.
+    program = torch.export.load(art / "tower.pt2").module()
     offsets = torch.tensor(manifest["program"]["example_offsets_B1"])
     num_targets = torch.tensor(manifest["program"]["example_num_targets_B"])
     T = int(offsets[-1])
@@ -188,3 +205,112 @@ def test_tiered_store_rows_and_unseen_ids_match_the_store(tmp_path):
     got = contents.tables["items"].lookup(probe)
     assert torch.equal(got, want)
     assert not got[-2:].any()  # the store's default_row="zeros"
+
+
+class _Payload:
+    """Unpickling this creates the marker file: proof that code from the artifact ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _craft_program(art: Path, marker: Path) -> None:
+    """Replace tower.pt2's sample inputs (which torch.export.load unpickles, falling back to
+    weights_only=False) by a payload, and update the manifest's checksum to match."""
+    program = art / "tower.pt2"
+    payload = io.BytesIO()
+    torch.save(_Payload(marker), payload)
+    crafted = io.BytesIO()
+    with zipfile.ZipFile(program) as src, zipfile.ZipFile(crafted, "w") as dst:
+        for info in src.infolist():
+            data = payload.getvalue() if info.filename.endswith("sample_inputs/model.pt") else src.read(info)
+            dst.writestr(info.filename, data)
+    assert any(n.endswith("sample_inputs/model.pt") for n in zipfile.ZipFile(crafted).namelist())
+    program.write_bytes(crafted.getvalue())
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["files"]["tower.pt2"] = {"sha256": hashlib.sha256(crafted.getvalue()).hexdigest(),
+                                      "bytes": len(crafted.getvalue())}
+    (art / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_crafted_program_file_never_runs(program_artifact, tmp_path):
+    import shutil
+
+    _, art = program_artifact
+    crafted = tmp_path / "crafted"
+    shutil.copytree(art, crafted)
+    marker = tmp_path / "code-ran"
+    _craft_program(crafted, marker)
+    # The payload is live: whatever unpickles the file's sample inputs runs it.
+    with zipfile.ZipFile(crafted / "tower.pt2") as z:
+        name = next(n for n in z.namelist() if n.endswith("sample_inputs/model.pt"))
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(io.BytesIO(z.read(name)), weights_only=True)
+    assert not marker.exists()
+    # Every public loader of the artifact and ranker modules, on the crafted artifact.
+    loaders = [getattr(mod, name) for mod in (artifact_module, ranker_module) for name in dir(mod)
+               if re.match(r"(load|read|verify)_", name) and callable(getattr(mod, name))
+               and getattr(getattr(mod, name), "__module__", "") == mod.__name__]
+    assert {f.__name__ for f in loaders} >= {"load_artifact", "load_artifact_contents", "verify_artifact"}
+    for load in loaders:
+        try:
+            load(crafted)
+        except Exception:  # noqa: BLE001 (refusing is fine, however; running the payload is not)
+            pass
+        assert not marker.exists(), f"{load.__module__}.{load.__name__} ran code from the artifact"
+    ranker = ranker_module.load_artifact(crafted)  # the artifact still serves: the program is never read
+    assert ranker.version == "v"
+
+
+UNPICKLING_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "marshal", "shelve"}
+UNPICKLING_CALLS = {"torch.export.load", "torch.jit.load", "torch.package.PackageImporter", "yaml.load",
+                    "yaml.unsafe_load", "torch._C._pickle_load_obj"}
+
+
+def _dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+
+
+def _unpickling_calls(tree: ast.AST) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [(node.lineno, f"import {n}") for n in names if n.split(".")[0] in UNPICKLING_MODULES]
+        if not isinstance(node, ast.Call):
+            continue
+        name = _dotted(node.func)
+        keywords = {k.arg: k.value for k in node.keywords}
+        weights_only = keywords.get("weights_only")
+        if name in UNPICKLING_CALLS:
+            found.append((node.lineno, name))
+        elif name == "torch.load" and not (isinstance(weights_only, ast.Constant) and weights_only.value is True):
+            found.append((node.lineno, "torch.load without weights_only=True"))
+        elif isinstance(weights_only, ast.Constant) and weights_only.value is False:
+            found.append((node.lineno, f"{name}(weights_only=False)"))
+        elif name.endswith(".load") and isinstance(keywords.get("allow_pickle"), ast.Constant) \
+                and keywords["allow_pickle"].value is True:
+            found.append((node.lineno, f"{name}(allow_pickle=True)"))
+    return found
+
+
+def test_the_package_has_no_unpickling_call():
+    offenders = []
+    for folder in ("data", "sparse", "dense", "models", "scripts"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for lineno, what in _unpickling_calls(ast.parse(path.read_text(), str(path))):
+                offenders.append(f"{path.relative_to(REPO)}:{lineno}: {what}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_unpickling_scan_catches_what_it_should():
+    src = ("import pickle\nfrom dill import loads\ntorch.export.load(p)\ntorch.load(p)\n"
+           "torch.load(p, weights_only=False)\nnp.load(p, allow_pickle=True)\ntorch.load(p, weights_only=True)\n")
+    assert [line for line, _ in _unpickling_calls(ast.parse(src))] == [1, 2, 3, 4, 5, 6]

@@ -1,54 +1,40 @@
 """The HTTP server, started for real in a second process on a free loopback port: parity
-with the library, bad requests (4xx naming the field, never a crash), metrics, and reload
-under load with no failed request."""
+with the library, bad requests (4xx naming the field, never a crash), body and queue limits,
+Host check, reload (token, allowed directories, no failed request under load), metrics."""
 
 from __future__ import annotations
 
-import shutil
+import inspect
+import json
+import os
 import socket
 import threading
+import time
 
 import httpx
 import pytest
 
-from genrec.models.serving.artifact import export_artifact
-from genrec.models.serving.bench import build_synthetic_model, start_server_process, synthetic_request
+from genrec.models.serving import server as server_module
+from genrec.models.serving.bench import synthetic_request
 from genrec.models.serving.ranker import ServingConfig, load_artifact
+from genrec.models.serving.server import TOKEN_ENV, create_app, read_reload_token
+from genrec.scripts.cli import build_parser
+from serving_helpers import LOOP_THREAD, MAX_SEQ_LEN, NUM_ITEMS, TOKEN, serve_in_thread
 
-NUM_ITEMS = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("server")
-    model, item_ids, feats = build_synthetic_model(num_items=NUM_ITEMS, dim=16, max_seq_len=96, seed=5)
-    arts = {}
-    for version, dtype in (("v1", "fp32"), ("v2", "int8")):
-        arts[version] = export_artifact(model, {}, root / version, dtype=dtype, item_ids=item_ids,
-                                        item_features=feats, version=version, export_program=False)
-    broken = root / "broken"
-    shutil.copytree(arts["v2"], broken)
-    (broken / "dense.safetensors").write_bytes((broken / "dense.safetensors").read_bytes()[:-10])
-    arts["broken"] = broken
-    port = _free_port()
-    proc = start_server_process(arts["v1"], port, threads=1, extra=["--max-k", "40", "--max-wait-ms", "5"])
-    try:
-        yield {"url": f"http://127.0.0.1:{port}", "arts": arts, "feats": feats}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+def _metric(c: httpx.Client, prefix: str) -> float:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith(prefix):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def test_health_and_parity_with_library(server):
     with httpx.Client(base_url=server["url"], timeout=30) as c:
         health = c.get("/healthz").json()
-        assert health["status"] == "ok" and health["model_version"] == "v1"
+        assert health["status"] == "ok" and health["model_version"] == "v1" and health["dtype"] == "fp32"
         req = synthetic_request(NUM_ITEMS, 30, k=40, n=10, seed=1, item_features=server["feats"])
         r = c.post("/v1/rank", json=req)
         assert r.status_code == 200, r.text
@@ -60,7 +46,17 @@ def test_health_and_parity_with_library(server):
     assert set(body["items"][0]["probabilities"]) == {"click", "conversion"}
 
 
+def test_startup_summary_is_one_readable_line(server):
+    line = server["proc"].summary()
+    assert line.startswith("genrec serve: model v1 (fp32) from ")
+    for part in ("k <= 40", f"history {MAX_SEQ_LEN - 1} events", "queue <= 256", "reload on, under",
+                 "Host names: 127.0.0.1, localhost, [::1], ranker.test"):
+        assert part in line, line
+    assert "{" not in line and "'" not in line  # no Python reprs
+
+
 BASE = {"item_ids": [1, 2, 3], "actions": [1, 0, 1], "timestamps": [10, 20, 30], "k": 20, "n": 5}
+INT64_MAX = (1 << 63) - 1
 
 
 @pytest.mark.parametrize("body,field", [
@@ -72,29 +68,169 @@ BASE = {"item_ids": [1, 2, 3], "actions": [1, 0, 1], "timestamps": [10, 20, 30],
     (dict(BASE, item_ids=[], actions=[], timestamps=[]), "item_ids"),
     (dict(BASE, features={"campaign_id": [1, 2, 3]}), "features.campaign_id"),
     ({k: v for k, v in BASE.items() if k != "timestamps"}, "timestamps"),  # missing field
+    (dict(BASE, item_ids=[1, INT64_MAX + 1, 3]), "item_ids.1"),  # beyond int64: was a 500
+    (dict(BASE, timestamps=[10, 20, -INT64_MAX - 2]), "timestamps.2"),
+    (dict(BASE, context={"advertiser_id": 1 << 64}), "context.advertiser_id"),
+    (dict(BASE, request_time=1 << 70), "request_time"),
+    (dict(BASE, k=1 << 80), "k"),
+    (dict(BASE, allowed_advertisers=[1] * 100_001), "allowed_advertisers"),  # max_length
+    (dict(BASE, features={f"f{i}": [1, 2, 3] for i in range(65)}), "features"),
 ])
 def test_bad_requests_get_4xx_naming_the_field(server, body, field):
     with httpx.Client(base_url=server["url"], timeout=30) as c:
         r = c.post("/v1/rank", json=body)
         assert 400 <= r.status_code < 500, r.text
-        assert field in r.text
+        assert r.json()["field"].startswith(field), r.text
         assert c.get("/healthz").status_code == 200
 
 
 def test_malformed_json_and_oversized_body(server):
     with httpx.Client(base_url=server["url"], timeout=30) as c:
         r = c.post("/v1/rank", content=b'{"item_ids": [1, 2', headers={"content-type": "application/json"})
-        assert r.status_code == 422
+        assert r.status_code == 422 and r.json()["field"] == "body"
+        deep = b'{"item_ids": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+        r = c.post("/v1/rank", content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["field"] == "body"
         r = c.post("/v1/rank", content=b"x" * (9 << 20), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["field"] == "body"
+        assert c.get("/healthz").status_code == 200
+
+
+def _read_status_line(sock: socket.socket) -> str:
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\r\n", 1)[0].decode()
+
+
+def test_chunked_body_is_refused_as_soon_as_it_passes_the_limit(server):
+    """No Content-Length: the server counts bytes as they arrive and answers 413 while the
+    client has not even finished sending."""
+    port = int(server["url"].rsplit(":", 1)[1])
+    chunk = b"[1," * (1 << 18)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/rank HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for _ in range((9 << 20) // len(chunk) + 1):  # 9 MiB > the 8 MiB limit, and no final chunk
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        assert _read_status_line(sock).startswith("HTTP/1.1 413 ")
+    with httpx.Client(base_url=server["url"], timeout=30) as c:
+        assert c.get("/healthz").status_code == 200
+
+
+def test_chunked_oversized_body_does_not_grow_the_server(server):
+    """60 MB of chunked JSON is refused without being held or parsed (it used to cost the
+    server ~750 MB of memory)."""
+    proc = server["proc"]
+    before = proc.peak_rss_bytes()
+
+    def body():
+        yield b'{"item_ids": ['
+        for _ in range(60):
+            yield b"1," * (1 << 19)
+        yield b"1]}"
+
+    with httpx.Client(base_url=server["url"], timeout=60) as c:
+        r = c.post("/v1/rank", content=body(), headers={"content-type": "application/json"})
         assert r.status_code == 413
         assert c.get("/healthz").status_code == 200
+    assert proc.peak_rss_bytes() - before < 48 << 20
+
+
+@pytest.mark.parametrize("host,ok", [
+    ("127.0.0.1", True), ("localhost:8080", True), ("[::1]:1234", True), ("LOCALHOST", True),
+    ("ranker.test:80", True),                      # --allowed-hosts
+    ("evil.example", False), ("evil.example:8080", False), ("127.0.0.1.evil.example", False),
+])
+def test_only_loopback_and_allowed_host_headers_are_served(server, host, ok):
+    with httpx.Client(base_url=server["url"], timeout=30, headers={"Host": host}) as c:
+        statuses = [c.get("/healthz").status_code, c.post("/v1/rank", json=BASE).status_code,
+                    c.post("/admin/reload", json={"artifact": str(server["arts"]["v2"])}, headers=AUTH).status_code]
+    if ok:
+        assert statuses[:2] == [200, 200]
+        assert statuses[2] == 200
+        with httpx.Client(base_url=server["url"], timeout=30) as c:
+            c.post("/admin/reload", json={"artifact": str(server["arts"]["v1"])}, headers=AUTH).raise_for_status()
+    else:
+        assert statuses == [400, 400, 400]  # the reload was not attempted either
+        with httpx.Client(base_url=server["url"], timeout=30) as c:
+            assert c.get("/healthz").json()["model_version"] == "v1"
+
+
+def test_reload_needs_the_token(server):
+    with httpx.Client(base_url=server["url"], timeout=30) as c:
+        before = _metric(c, 'genrec_reloads_total{result="unauthorized"}')
+        for headers in ({}, {"Authorization": "Bearer wrong-token-wrong-token"}, {"Authorization": TOKEN}):
+            r = c.post("/admin/reload", json={"artifact": str(server["arts"]["v2"])}, headers=headers)
+            assert r.status_code == 401 and r.json()["field"] == "authorization"
+        assert c.get("/healthz").json()["model_version"] == "v1"
+        assert _metric(c, 'genrec_reloads_total{result="unauthorized"}') == before + 3
+
+
+def test_reload_outside_the_reload_dirs_is_refused_without_saying_whether_it_exists(server, tmp_path):
+    arts = server["arts"]
+    link = arts["root"] / "link-out"
+    if not link.exists():
+        link.symlink_to(arts["outside"])
+    targets = [str(arts["outside"]),                                 # a valid artifact, elsewhere
+               str(arts["outside"].parent / "missing"),              # nothing there
+               str(arts["root"] / ".." / "elsewhere" / "v3"),        # climbing out
+               str(link),                                            # a link out
+               os.path.expanduser("~/.ssh"), "/etc", "relative/dir", "\u0000"]
+    with httpx.Client(base_url=server["url"], timeout=30) as c:
+        before = _metric(c, 'genrec_reloads_total{result="forbidden"}')
+        bodies = set()
+        for target in targets:
+            r = c.post("/admin/reload", json={"artifact": target}, headers=AUTH)
+            assert r.status_code == 403, (target, r.text)
+            bodies.add(r.text)
+        assert len(bodies) == 1 and "elsewhere" not in bodies.pop()
+        assert _metric(c, 'genrec_reloads_total{result="forbidden"}') == before + len(targets)
+        assert c.get("/healthz").json()["model_version"] == "v1"
+
+
+def _broken_copies(arts) -> list:
+    """Artifacts under the reload dir whose manifest is malformed in ways that used to give a 500."""
+    import shutil
+
+    out = []
+    for name, edit in (("no-max-seq-len", lambda m: m["tower"].pop("max_seq_len")),
+                       ("no-sha256", lambda m: m["files"]["dense.safetensors"].pop("sha256")),
+                       ("files-list", lambda m: m.update(files=[])),
+                       ("no-features", lambda m: m["tables"]["t_item_id"].pop("features"))):
+        path = arts["root"] / f"bad-{name}"
+        if not path.exists():
+            shutil.copytree(arts["v1"], path)
+            manifest = json.loads((path / "manifest.json").read_text())
+            edit(manifest)
+            (path / "manifest.json").write_text(json.dumps(manifest))
+        out.append(path)
+    out.append(arts["root"] / "not-there")
+    return out
+
+
+def test_reload_failures_are_4xx_with_a_reason_and_counted(server):
+    with httpx.Client(base_url=server["url"], timeout=30) as c:
+        before = _metric(c, 'genrec_reloads_total{result="refused"}')
+        bad = _broken_copies(server["arts"])
+        for path in bad:
+            r = c.post("/admin/reload", json={"artifact": str(path)}, headers=AUTH)
+            assert r.status_code == 400, (path, r.text)
+            assert r.json()["detail"].startswith("reload refused: ") and r.json()["field"] == "artifact"
+        r = c.post("/admin/reload", json={"artifact": 5}, headers=AUTH)
+        assert r.status_code == 422 and r.json()["field"] == "artifact"
+        assert _metric(c, 'genrec_reloads_total{result="refused"}') == before + len(bad) + 1
+        assert c.get("/healthz").json()["model_version"] == "v1"
 
 
 def test_long_history_is_truncated_to_most_recent(server):
     req = synthetic_request(NUM_ITEMS, 200, k=10, n=5, seed=3, item_features=server["feats"])
     with httpx.Client(base_url=server["url"], timeout=30) as c:
         body = c.post("/v1/rank", json=req).json()
-    assert body["history_truncated"] and body["history_used"] == 96 - 1
+    assert body["history_truncated"] and body["history_used"] == MAX_SEQ_LEN - 1
 
 
 def test_metrics_count_requests_latency_and_batches(server):
@@ -106,7 +242,7 @@ def test_metrics_count_requests_latency_and_batches(server):
     assert 'genrec_requests_total{endpoint="/v1/rank",status="422"}' in text
     assert "genrec_request_latency_seconds_bucket" in text
     assert "genrec_batch_size_count" in text
-    assert "genrec_model_info" in text
+    assert 'genrec_model_info{dtype="fp32",version="v1"} 1.0' in text
 
 
 def test_reload_under_load_fails_no_request(server):
@@ -126,30 +262,29 @@ def test_reload_under_load_fails_no_request(server):
     threads = [threading.Thread(target=hammer, args=(s,)) for s in range(3)]
     for t in threads:
         t.start()
-    with httpx.Client(base_url=server["url"], timeout=120) as c:
-        refused = c.post("/admin/reload", json={"artifact": str(server["arts"]["broken"])})
-        assert refused.status_code == 400 and "dense.safetensors" in refused.text
-        assert c.get("/healthz").json()["model_version"] == "v1"
-        ok = c.post("/admin/reload", json={"artifact": str(server["arts"]["v2"])})
-        assert ok.status_code == 200, ok.text
-        assert ok.json() == {"model_version": "v2", "previous_version": "v1", "artifact": str(server["arts"]["v2"])}
-        stop.set()
-        for t in threads:
-            t.join()
-        assert c.get("/healthz").json()["model_version"] == "v2"
+    with httpx.Client(base_url=server["url"], timeout=120, headers=AUTH) as c:
+        try:
+            refused = c.post("/admin/reload", json={"artifact": str(server["arts"]["broken"])})
+            assert refused.status_code == 400 and "dense.safetensors" in refused.text
+            assert c.get("/healthz").json()["model_version"] == "v1"
+            ok = c.post("/admin/reload", json={"artifact": str(server["arts"]["v2"])})
+            assert ok.status_code == 200, ok.text
+            assert ok.json() == {"model_version": "v2", "previous_version": "v1",
+                                 "artifact": str(server["arts"]["v2"])}
+        finally:  # never leave clients hammering the shared server
+            stop.set()
+            for t in threads:
+                t.join()
+        health = c.get("/healthz").json()
+        assert (health["model_version"], health["dtype"]) == ("v2", "int8")
+        assert 'genrec_model_info{dtype="int8",version="v2"} 1.0' in c.get("/metrics").text
         c.post("/admin/reload", json={"artifact": str(server["arts"]["v1"])}).raise_for_status()
     assert statuses and all(s == 200 for s in statuses)
     assert "v2" in versions
 
 
 def _batch_totals(c: httpx.Client) -> tuple[float, float]:
-    total = count = 0.0
-    for line in c.get("/metrics").text.splitlines():
-        if line.startswith("genrec_batch_size_sum"):
-            total = float(line.split()[-1])
-        elif line.startswith("genrec_batch_size_count"):
-            count = float(line.split()[-1])
-    return total, count
+    return _metric(c, "genrec_batch_size_sum"), _metric(c, "genrec_batch_size_count")
 
 
 def test_concurrent_requests_are_batched(server):
@@ -179,3 +314,120 @@ def test_k_and_n_default_to_the_server_limits(server):
         r = c.post("/v1/rank", json=body)
     assert r.status_code == 200, r.text
     assert len(r.json()["items"]) == 10
+
+
+# ---------------------------------------------------------------------- in-process servers
+
+
+def test_reload_is_off_without_a_token(artifacts):
+    with serve_in_thread(create_app(artifacts["v1"])) as url, httpx.Client(base_url=url, timeout=30) as c:
+        r = c.post("/admin/reload", json={"artifact": str(artifacts["v2"])}, headers=AUTH)
+        assert r.status_code == 404
+        assert c.get("/healthz").json()["model_version"] == "v1"
+
+
+def test_reload_token_comes_from_a_file_or_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert read_reload_token(None) is None
+    monkeypatch.setenv(TOKEN_ENV, " env-token-0123456789\n")
+    assert read_reload_token(None) == "env-token-0123456789"
+    path = tmp_path / "token"
+    path.write_text("file-token-0123456789\n")
+    path.chmod(0o600)
+    assert read_reload_token(path) == "file-token-0123456789"  # the file wins
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        read_reload_token(path)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"reload_token": "short"}, "at least 16"),
+    ({"reload_token": TOKEN}, "reload directory"),
+])
+def test_reload_configuration_errors(artifacts, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        create_app(artifacts["v1"], **kwargs)
+
+
+def test_full_queue_answers_503_with_retry_after(artifacts):
+    app = create_app(artifacts["v1"], max_queue=2, serving_cfg=ServingConfig(max_k=40))
+    ranker = app.state.batcher.ranker
+    release = threading.Event()
+
+    def held_rank_batch(reqs, _inner=ranker.rank_batch):
+        release.wait(30)
+        return _inner(reqs)
+
+    ranker.rank_batch = held_rank_batch
+    results = []
+
+    def call():
+        with httpx.Client(base_url=url, timeout=60) as c:
+            r = c.post("/v1/rank", json=BASE)
+            results.append((r.status_code, r.headers.get("retry-after")))
+
+    with serve_in_thread(app) as url:
+        threads = [threading.Thread(target=call) for _ in range(5)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 30
+        while len(results) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        busy = list(results)
+        release.set()
+        for t in threads:
+            t.join()
+    assert busy == [(503, "1")] * 3
+    assert sorted(results) == [(200, None)] * 2 + [(503, "1")] * 3
+
+
+def test_large_bodies_are_parsed_off_the_event_loop(artifacts, monkeypatch):
+    threads = []
+    real = server_module.parse_rank_request
+
+    def spy(*args):
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(server_module, "parse_rank_request", spy)
+    app = create_app(artifacts["v1"], serving_cfg=ServingConfig(max_k=40))
+    big = synthetic_request(NUM_ITEMS, 20_000, k=20, n=5, seed=2)
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+        assert c.post("/v1/rank", json=BASE).status_code == 200
+        r = c.post("/v1/rank", json=big)
+        assert r.status_code == 200 and r.json()["history_truncated"]
+    assert len(json.dumps(big)) > server_module.PARSE_INLINE_BYTES
+    assert threads[0] == LOOP_THREAD  # a small body: parsed inline, it is cheaper than a hand-off
+    assert threads[1] not in (LOOP_THREAD, "genrec-batcher")
+
+
+# ---------------------------------------------------------------------- the command line
+
+
+def test_serve_has_a_flag_for_every_server_option():
+    serve_parser = build_parser()._subparsers._group_actions[0].choices["serve"]
+    dests = {a.dest for a in serve_parser._actions}
+    options = set(inspect.signature(server_module.serve).parameters) - {"artifact_dir", "serving_cfg"}
+    import dataclasses
+
+    options |= {f.name for f in dataclasses.fields(ServingConfig)}
+    assert options <= dests, sorted(options - dests)
+    assert {"reload_token_file", "reload_dirs", "allowed_hosts", "max_queue", "max_body_bytes"} <= dests
+    assert not [d for d in dests if "token" in d and d != "reload_token_file"]  # never a token on argv
+
+
+def test_serve_flags_reach_the_server(monkeypatch, tmp_path):
+    from genrec.scripts.cli import main
+
+    seen = {}
+    monkeypatch.setattr(server_module, "serve", lambda artifact, **kw: seen.update(kw, artifact=artifact))
+    assert main(["serve", "--artifact", "a", "--port", "9", "--max-queue", "7", "--max-body-bytes", "1000",
+                 "--max-k", "50", "--max-n", "20", "--max-request-events", "300", "--micro-batch", "8",
+                 "--reload-token-file", "tok", "--reload-dir", "x", "--reload-dir", "y",
+                 "--allowed-hosts", "a.example, b.example"]) == 0
+    assert (seen["artifact"], seen["port"], seen["max_queue"], seen["max_body_bytes"]) == ("a", 9, 7, 1000)
+    assert (seen["reload_token_file"], seen["reload_dirs"], seen["allowed_hosts"]) == ("tok", ["x", "y"],
+                                                                                      ["a.example", "b.example"])
+    cfg = seen["serving_cfg"]
+    assert (cfg.max_k, cfg.max_n, cfg.max_request_events, cfg.micro_batch) == (50, 20, 300, 8)
+    assert cfg.retrieval_block_rows == ServingConfig().retrieval_block_rows  # unset flags keep the defaults

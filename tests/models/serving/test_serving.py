@@ -205,3 +205,40 @@ def test_int8_retrieval_fallback_matches_int8_gemm(setup):
     # The GEMM also quantizes the user vector (uint8 per tensor): close, not identical.
     assert float((s_gemm - s_ref).abs().max()) < 0.02
     assert len(set(i_gemm[0, :10].tolist()) & set(i_ref[0].tolist())) >= 9
+
+
+def test_request_time_is_the_query_time_of_the_time_bias(tmp_path):
+    """With the reference's query-time bias, the served user vector is the training model's
+    at the request's time: different request times give different retrievals, each equal
+    to the model's user embedding with that query time."""
+    model, item_ids, feats = build_synthetic_model(num_items=NUM_ITEMS, dim=16, max_seq_len=128, seed=5)
+    model.tower.cfg.time_bias_query = "next"
+    with torch.no_grad():
+        for layer in model.tower.layers:  # a time bias large enough to move the scores
+            layer.ts_w.normal_(0, 3.0)
+    art = export_artifact(model, {}, tmp_path / "art", dtype="fp32", item_ids=item_ids, item_features=feats,
+                          version="v", export_program=False)
+    ranker = load_artifact(art, ServingConfig(max_k=60, micro_batch=16))
+    req = synthetic_request(NUM_ITEMS, 30, k=20, n=20, seed=4, item_features=feats)
+    scores = {}
+    for when in (req["timestamps"][-1], req["timestamps"][-1] + 86_400 * 30):
+        out = ranker.rank(dict(req, sort_by="retrieval", request_time=when))
+        got = {x["item_id"]: x["retrieval_score"] for x in out["items"]}
+        keys = model.features.sparse
+        L = len(req["item_ids"])
+        hist = {"item_id": torch.tensor(req["item_ids"]), "action": torch.tensor(req["actions"]),
+                **{f: torch.tensor(v) for f, v in req["features"].items()}}
+        batch = Batch(user_ids_B=torch.tensor([0]),
+                      history=KeyedJaggedTensor(keys=keys, values=torch.cat([hist[k] for k in keys]),
+                                                lengths=torch.tensor([L] * len(keys))),
+                      timestamps_T=torch.tensor(req["timestamps"]), history_lengths_B=torch.tensor([L]),
+                      query_time_B=torch.tensor([when]))
+        user = model.user_embeddings(batch)[0]
+        items = torch.nn.functional.normalize(model.embeddings.embeddings["t_item_id"].weight.detach(), dim=-1,
+                                              eps=1e-6)
+        want = user @ items.T
+        for item, score in got.items():
+            assert abs(score - float(want[item])) < 1e-5
+        scores[when] = got
+    first, later = scores.values()
+    assert first != later  # the request time reached the tower

@@ -1,0 +1,60 @@
+"""`genrec export` of a tiny trained run whose prepared data has moved: `--data` points at it,
+and the default version says the dtype, so the fp32 and int8 artifacts of one checkpoint differ."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genrec.data.prepare import prepare
+from genrec.data.synth import synthesize
+from genrec.models.build import load_item_corpus
+from genrec.models.serving.artifact import load_artifact_contents, read_manifest
+from genrec.models.serving.export import export_checkpoint
+from genrec.scripts.cli import main
+from train_helpers import tiny_config
+
+
+@pytest.fixture(scope="module")
+def moved_run(tmp_path_factory):
+    """(run dir, prepared data dir) of a run whose data was moved after training."""
+    from genrec.models.train.trainer import run_training
+
+    root = tmp_path_factory.mktemp("exportrun")
+    synthesize(root / "logs", num_users=40, num_items=100, num_events=1000, seed=5, progress=False)
+    cfg = tiny_config(root / "data", root / "run", max_steps=2, checkpoint_every=2)
+    prepare(root / "logs", root / "data", cfg.data.features, cfg.data.prepare.split, num_shards=1,
+            row_group_users=16, progress=False)
+    run_training(cfg)
+    (root / "data").rename(root / "moved")
+    return root / "run", root / "moved"
+
+
+def test_export_without_the_training_data_asks_for_data(moved_run, tmp_path):
+    run, _ = moved_run
+    with pytest.raises(ValueError, match="--data"):
+        export_checkpoint(run, tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+
+def test_export_reads_data_from_the_flag_and_versions_by_dtype(moved_run, tmp_path):
+    run, data = moved_run
+    for dtype in ("fp32", "int8"):
+        assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / dtype), "--dtype", dtype,
+                     "--data", str(data)]) == 0
+    fp32, int8 = read_manifest(tmp_path / "fp32"), read_manifest(tmp_path / "int8")
+    assert fp32["version"].endswith("-fp32") and int8["version"].endswith("-int8")
+    assert fp32["version"].removesuffix("-fp32") == int8["version"].removesuffix("-int8")
+    assert fp32["job_config"]["data"]["path"] == str(data.resolve())
+    # The item index is the corpus of the data given, not of the path the run trained on.
+    assert torch.equal(load_artifact_contents(tmp_path / "fp32").item_ids_N, load_item_corpus(data)[0])
+
+
+def test_export_flags_reach_export_checkpoint(monkeypatch):
+    from genrec.models.serving import export as export_module
+
+    seen = {}
+    monkeypatch.setattr(export_module, "export_checkpoint", lambda ckpt, out, **kw: seen.update(kw, ckpt=ckpt) or out)
+    assert main(["export", "--checkpoint", "run", "--out", "art", "--data", "d", "--model-version", "release-7",
+                 "--dtype", "int8"]) == 0
+    assert seen == {"ckpt": "run", "dtype": "int8", "version": "release-7", "data_dir": "d", "overwrite": False}
