@@ -16,9 +16,10 @@ class TowerConfig:
     U, V, Q, K and unscaled Q K^T.
     """
 
-    kind: Literal["hstu", "transformer"] = "hstu"
-    """Which block: "hstu" (Zhai et al., ICML 2024) or "transformer" (SASRec-style pre-LN
-    causal softmax attention + FFN)."""
+    kind: Literal["hstu", "sasrec", "transformer"] = "hstu"
+    """Which block: "hstu" (Zhai et al., ICML 2024), "sasrec" (the original SASRec block:
+    normalized queries, raw keys and values, ReLU FFN) or "transformer" (pre-LN causal
+    softmax attention + GELU FFN)."""
     embedding_dim: int = 64
     """D: width of the input tokens and of the output states."""
     num_layers: int = 2
@@ -86,6 +87,8 @@ class TowerConfig:
     """Epsilon of every LayerNorm."""
 
     def __post_init__(self) -> None:
+        if self.kind not in ("hstu", "sasrec", "transformer"):
+            raise ValueError(f"TowerConfig.kind must be 'hstu', 'sasrec' or 'transformer', got {self.kind!r}")
         if self.num_time_buckets > 255:
             raise ValueError(f"TowerConfig.num_time_buckets must be <= 255 (uint8 bucket index), got {self.num_time_buckets}")
         for name in ("embedding_dim", "num_layers", "num_heads", "attention_dim", "linear_dim",
