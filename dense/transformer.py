@@ -24,6 +24,15 @@ from .jagged import JaggedLayout
 from .kernels import KERNELS
 
 
+def _attention(block: nn.Module, q, k, v, layout: JaggedLayout) -> torch.Tensor:
+    """Causal softmax attention of a block through its kernel, dropout on the attention
+    weights in training (as in SASRec): [T, H * dv]."""
+    p = block.dropout_p if block.training else 0.0
+    if block.kernel_name == "sdpa":
+        return block.kernel(q, k, v, layout, p, block.bucket_min_fill).flatten(1)
+    return block.kernel(q, k, v, layout, p).flatten(1)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: TowerConfig, kernel: str) -> None:
         super().__init__()
@@ -55,12 +64,7 @@ class TransformerBlock(nn.Module):
     def forward(self, x_TD: torch.Tensor, layout: JaggedLayout, return_kv: bool = False):
         """-> y_TD, or (y_TD, k_THd, v_THd) with return_kv (for the history cache)."""
         _, q, k, v = self.project(x_TD)
-        p = self.dropout_p if self.training else 0.0
-        if self.kernel_name == "sdpa":
-            attn = self.kernel(q, k, v, layout, p, self.bucket_min_fill)
-        else:
-            attn = self.kernel(q, k, v, layout, p)
-        y = self.finish(x_TD, None, attn.flatten(1))
+        y = self.finish(x_TD, None, _attention(self, q, k, v, layout))
         return (y, k, v) if return_kv else y
 
 
@@ -100,10 +104,5 @@ class SASRecBlock(nn.Module):
     def forward(self, x_TD: torch.Tensor, layout: JaggedLayout, return_kv: bool = False):
         """-> y_TD, or (y_TD, k_THd, v_THd) with return_kv (for the history cache)."""
         x_norm, q, k, v = self.project(x_TD)
-        p = self.dropout_p if self.training else 0.0  # on the attention weights, as in SASRec
-        if self.kernel_name == "sdpa":
-            attn = self.kernel(q, k, v, layout, p, self.bucket_min_fill)
-        else:
-            attn = self.kernel(q, k, v, layout, p)
-        y = self.finish(x_TD, x_norm, attn.flatten(1))
+        y = self.finish(x_TD, x_norm, _attention(self, q, k, v, layout))
         return (y, k, v) if return_kv else y
