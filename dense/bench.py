@@ -56,7 +56,7 @@ def _train_step(tower, x, off, ts):
 def _time(fn, reps: int) -> float:
     # Each ground floor (data/, sparse/, dense/) keeps its own timing loop: they import
     # nothing from each other, and no shared place sits below them.
-    fn()  # warm-up (also builds the fused tile on first use)
+    fn()  # warm-up (also loads the fused tile)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -1,26 +1,25 @@
 """ctypes loader for csrc/hstu_tile.c, the fused elementwise part of the chunked HSTU tile.
 
-Compiled on first use with the system C compiler into ~/.cache/genrec (keyed by a hash of
-the source, written atomically), so there is no build step and no torch-header compile.
-When no compiler is available, or GENREC_DENSE_FUSED=0, `library()` returns None and the
-chunked kernel uses its plain PyTorch tile instead (same results, slower).
+The library is built by the install command (setup.py: `pip install -e .`) beside this
+file as `_hstu_tile*.so`, for the instruction set named in `ISA_FLAGS`; loading checks that
+this CPU has it. Not built, or built for features this CPU lacks: the first fused call
+raises an error saying how to fix it. GENREC_DENSE_FUSED=0 chooses the plain PyTorch tile
+explicitly (same results, about a third of the speed), and says so once.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import subprocess
-import tempfile
+import platform
+import sys
 from pathlib import Path
 
 import torch
 
 from .bias import time_buckets
 
-_SRC = Path(__file__).parent / "csrc" / "hstu_tile.c"
 _lib: ctypes.CDLL | None | bool = False  # False: not tried yet
 
 
@@ -32,30 +31,47 @@ class TileArgs(ctypes.Structure):
         ("nthreads", ctypes.c_int64), ("qts", ctypes.c_void_p)]
 
 
+ISA_FLAGS = {"x86_64": ("avx2", "fma")}
+"""CPU features the library is built for, by machine (see setup.py)."""
+
+
+class NativeKernelError(RuntimeError):
+    """The native HSTU tile is missing or cannot run on this CPU."""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
 def library() -> ctypes.CDLL | None:
+    """The loaded native tile; None only when GENREC_DENSE_FUSED=0 chose the PyTorch tile."""
     global _lib
     if _lib is not False:
         return _lib
-    _lib = None
     if os.environ.get("GENREC_DENSE_FUSED", "1") == "0":
+        print("genrec.dense: GENREC_DENSE_FUSED=0: the HSTU tile runs in plain PyTorch (slower)",
+              file=sys.stderr, flush=True)
+        _lib = None
         return None
-    src = _SRC.read_bytes()
-    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC",
-             "-shared"]
-    key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "genrec"
-    so = cache / f"hstu_tile_{key}.so"
+    built = sorted(Path(__file__).parent.glob("_hstu_tile*.so"))
+    fix = ("reinstall with the README's install command (`pip install -e .`, which needs a C compiler with "
+           "OpenMP), or set GENREC_DENSE_FUSED=0 to run the PyTorch tile instead")
+    if not built:
+        raise NativeKernelError(f"the native HSTU tile is not built (no _hstu_tile*.so in {Path(__file__).parent}): {fix}")
+    missing = [f for f in ISA_FLAGS.get(platform.machine(), ()) if f not in _cpu_flags()]
+    if missing:
+        raise NativeKernelError(f"{built[-1]} needs CPU features {missing}, which this CPU lacks: {fix}")
     try:
-        if not so.exists():
-            cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-            os.close(fd)
-            subprocess.run([os.environ.get("CC", "cc"), *flags, str(_SRC), "-o", tmp, "-lm"],
-                           check=True, capture_output=True, timeout=120)
-            os.replace(tmp, so)  # atomic: concurrent processes never load a half-written file
-        lib = ctypes.CDLL(str(so))
-    except (OSError, subprocess.SubprocessError):
-        return None
+        lib = ctypes.CDLL(str(built[-1]))
+    except OSError as e:
+        raise NativeKernelError(f"cannot load {built[-1]}: {e}: {fix}") from None
     lib.hstu_time_index.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p]
     lib.hstu_tile_fwd.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_int]

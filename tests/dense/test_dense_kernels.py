@@ -116,7 +116,7 @@ def test_target_aware_mask_candidates_do_not_see_each_other():
         assert changed.tolist() == [False, False, False, False, True, False]
 
 
-@pytest.mark.skipif(fused.library() is None, reason="no C compiler for the fused tile")
+@pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
 @pytest.mark.parametrize("normalizer", ["max_seq_len", "num_keys"])
 @pytest.mark.parametrize("num_targets", [None, [1, 0, 1, 3, 0, 2, 0, 0, 22]])
 @pytest.mark.parametrize("bias", ["both", "none"])
@@ -137,7 +137,7 @@ def test_fused_tile_fp32_matches_float64_reference(normalizer, num_targets, bias
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(fused.library() is None, reason="no C compiler for the fused tile")
+@pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
 def test_fused_time_index_equals_reference_bucketing():
     g = torch.Generator().manual_seed(3)
     # Gaps spanning seconds to years, both signs, and exact bucket thresholds.
@@ -148,3 +148,15 @@ def test_fused_time_index_equals_reference_bucketing():
     want = torch.ops.aten.clamp(
         (torch.log((ts[:, :, None] - ts[:, None, :]).abs().clamp(min=1).float()) / 0.301).long(), 0, 128)
     assert torch.equal(got, want)
+
+
+def test_native_tile_is_built_and_keeps_subnormals():
+    """The install command built the tile (no silent PyTorch fallback), and loading it
+    does not switch the process to flush-to-zero (as a -ffast-math link would)."""
+    import os
+
+    if os.environ.get("GENREC_DENSE_FUSED", "1") == "0":
+        pytest.skip("GENREC_DENSE_FUSED=0 chose the PyTorch tile")
+    assert fused.library() is not None
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in fp32
+    assert float(tiny * 1.0) != 0.0

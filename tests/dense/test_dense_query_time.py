@@ -124,7 +124,7 @@ KERNEL_PATHS = [  # (kernel, fused tile, tower dtype): every way an HSTU layer c
     pytest.param("chunked", False, torch.float64, id="chunked-f64"),
     pytest.param("chunked", False, torch.float32, id="chunked-pytorch-tile-f32"),
     pytest.param("chunked", True, torch.float32, id="chunked-fused-tile-f32",
-                 marks=pytest.mark.skipif(not HAS_FUSED, reason="no C compiler for the fused tile")),
+                 marks=pytest.mark.skipif(not HAS_FUSED, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")),
 ]
 
 
@@ -226,7 +226,7 @@ def test_kernels_with_explicit_own_query_times_are_bit_identical(kernel, fused_t
 @pytest.mark.parametrize("fused_tile,dtype", [
     pytest.param(False, torch.float64, id="pytorch-tile-f64"),
     pytest.param(True, torch.float32, id="fused-tile-f32",
-                 marks=pytest.mark.skipif(not HAS_FUSED, reason="no C compiler for the fused tile")),
+                 marks=pytest.mark.skipif(not HAS_FUSED, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")),
 ])
 @pytest.mark.parametrize("with_query_time", [False, True])
 def test_chunked_kernel_matches_reference_with_next_query_time(fused_tile, dtype, with_query_time):
@@ -266,7 +266,7 @@ def test_layout_query_times_follow_the_worked_example():
                  None, torch.tensor([5])).shape == (0, D)
 
 
-@pytest.mark.skipif(not HAS_FUSED, reason="no C compiler for the fused tile")
+@pytest.mark.skipif(not HAS_FUSED, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
 def test_fused_tile_reads_query_times_with_and_without_a_time_index():
     """The C tile's query time: its per-pair bucketing (no precomputed index) and the index
     built by `time_index` agree bit for bit, forward and backward, and follow qts, not ts."""
