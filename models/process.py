@@ -31,3 +31,12 @@ def keep_large_allocations() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3
     libc.mallopt(m_mmap_threshold, 1 << 30)
     libc.mallopt(m_trim_threshold, (1 << 31) - 1)
+
+
+def quiet_known_warnings() -> None:
+    """Silence a torch message every training run would print: torchrec calls
+    `torch.fx.is_fx_tracing`, which warns that it also covers torch.export. It is not about
+    anything the user can change."""
+    import logging
+
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)

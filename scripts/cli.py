@@ -120,10 +120,11 @@ def run_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from genrec.models.process import keep_large_allocations, passive_openmp_waits
+    from genrec.models.process import keep_large_allocations, passive_openmp_waits, quiet_known_warnings
 
     passive_openmp_waits()
     keep_large_allocations()
+    quiet_known_warnings()
     try:
         return run_command(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
