@@ -17,8 +17,9 @@ Each `log` call appends one line to run_dir/metrics.jsonl, e.g.
     {"step": 200, "time": 1717000000.1, "loss": 4.21, "lr": 0.001, "samples_per_s": 812.5, ...}
 
 and writes each metric as a TensorBoard scalar under run_dir/tensorboard/ (needs the
-`tensorboard` package). The metrics are whatever scalars the trainer passes, already
-reduced across ranks; other ranks' loggers do nothing, so every rank may call `log`.
+`tensorboard` package). The metrics are whatever scalars the trainer passes (it averages
+the losses over ranks; rates count every rank; store hit rates are rank 0's); other
+ranks' loggers do nothing, so every rank may call `log`.
 On resume, lines are appended: steps replayed after the last checkpoint appear twice,
 and the last line for a step is the one that counts.
 """

@@ -35,7 +35,7 @@ from genrec.models.runs import CONFIG_FILE, CorruptCheckpoint, read_best, sparse
 from genrec.models.train.checkpoint import CheckpointManager, capture_rng_state, install_stop_signals, restore_rng_state
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import to_dict
-from genrec.models.ranks import DistInfo, any_rank
+from genrec.models.ranks import DistInfo, all_reduce_sum, any_rank
 from genrec.models.train.distributed import init_distributed, shutdown
 from genrec.models.train.progress import ProgressLogger
 from genrec.models.train.schedule import build_dense_optimizer, warmup_cosine
@@ -203,6 +203,8 @@ class Trainer:
                 window["tokens"] += batch.num_tokens
                 if self.step % tc.log_every == 0 or self.step == tc.max_steps:
                     elapsed = time.perf_counter() - window["t0"]
+                    parts.update(mean_over_ranks({k: v for k, v in parts.items() if k.endswith("loss")},
+                                                 self.dist.world_size))
                     parts["samples_per_s"] = window["samples"] * self.dist.world_size / elapsed
                     parts["tokens_per_s"] = window["tokens"] * self.dist.world_size / elapsed
                     parts.update(store_hit_rates(self.store.stats()))
@@ -357,6 +359,14 @@ def resolve_epochs(cfg: JobConfig, world_size: int) -> JobConfig:
     if tc.eval_every_epochs:
         tc.eval_every = tc.eval_every_epochs * steps_per_epoch
     return dataclasses.replace(cfg, train=tc)
+
+
+def mean_over_ranks(values: dict[str, float], world_size: int) -> dict[str, float]:
+    """Each value averaged over the ranks (collective; every rank logs at the same steps)."""
+    if world_size == 1 or not values:
+        return values
+    keys = sorted(values)
+    return {k: v / world_size for k, v in zip(keys, all_reduce_sum([values[k] for k in keys]))}
 
 
 def default_threads() -> int:

@@ -212,18 +212,25 @@ def test_two_ranks_equal_one_rank_on_the_same_global_batch(prepared, tmp_path):
     torch.testing.assert_close(r0["rows"], one["rows"], rtol=1e-4, atol=1e-5)
 
 
-def _run_training(rank: int, world_size: int, port: int, cfg_json: str) -> None:
+def _run_training(rank: int, world_size: int, port: int, cfg_json: str, result_path: str | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from genrec.models.train.trainer import run_training
 
-    run_training(from_dict(JobConfig, json.loads(cfg_json)))
+    losses = run_training(from_dict(JobConfig, json.loads(cfg_json)))
+    if result_path is not None:
+        torch.save({"losses": losses}, f"{result_path}.{rank}")
 
 
 def test_train_end_to_end_on_two_ranks(prepared, tmp_path):
     cfg = tiny_config(prepared, tmp_path / "run", max_steps=6, eval_every=3)
-    _spawn(_run_training, 2, json.dumps(to_dict(cfg)))
+    _spawn(_run_training, 2, json.dumps(to_dict(cfg)), str(tmp_path / "losses"))
+    # What the run logs is the mean over ranks, not rank 0's own loss.
+    r0, r1 = (torch.load(tmp_path / f"losses.{r}")["losses"] for r in range(2))
+    logged = _losses(tmp_path / "run")
+    assert r0 != r1
+    assert [logged[s] for s in range(1, 7)] == pytest.approx([(a + b) / 2 for a, b in zip(r0, r1)], rel=1e-6)
     ckpt = tmp_path / "run" / "checkpoints" / "step-00000006"
     assert (ckpt / "COMPLETE").exists()
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("rank-")) == [
