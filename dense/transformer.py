@@ -24,20 +24,36 @@ from .jagged import JaggedLayout
 from .kernels import KERNELS
 
 
-def _attention(block: nn.Module, q, k, v, layout: JaggedLayout) -> torch.Tensor:
-    """Causal softmax attention of a block through its kernel, dropout on the attention
-    weights in training (as in SASRec): [T, H * dv]."""
-    p = block.dropout_p if block.training else 0.0
-    if block.kernel_name == "sdpa":
-        return block.kernel(q, k, v, layout, p, block.bucket_min_fill).flatten(1)
-    return block.kernel(q, k, v, layout, p).flatten(1)
+class _SoftmaxBlock(nn.Module):
+    """What both softmax blocks share: their shapes, the kernel, and the forward pass
+    `finish(x, u, attention(project(x)))`; subclasses define the layers, `project` and
+    `finish`."""
+
+    def _setup(self, cfg: TowerConfig, kernel: str) -> None:
+        self.num_heads, self.attention_dim, self.linear_dim = cfg.num_heads, cfg.attention_dim, cfg.linear_dim
+        self.dropout_p = cfg.dropout
+        self.kernel_name = kernel
+        self.kernel = KERNELS[("transformer", kernel)]
+        self.bucket_min_fill = cfg.bucket_min_fill
+
+    def forward(self, x_TD: torch.Tensor, layout: JaggedLayout, return_kv: bool = False):
+        """-> y_TD, or (y_TD, k_THd, v_THd) with return_kv (for the history cache)."""
+        u, q, k, v = self.project(x_TD)
+        # Dropout on the attention weights in training, as in SASRec.
+        p = self.dropout_p if self.training else 0.0
+        if self.kernel_name == "sdpa":
+            attn = self.kernel(q, k, v, layout, p, self.bucket_min_fill)
+        else:
+            attn = self.kernel(q, k, v, layout, p)
+        y = self.finish(x_TD, u, attn.flatten(1))
+        return (y, k, v) if return_kv else y
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(_SoftmaxBlock):
     def __init__(self, cfg: TowerConfig, kernel: str) -> None:
         super().__init__()
+        self._setup(cfg, kernel)
         H, dq, dv, D = cfg.num_heads, cfg.attention_dim, cfg.linear_dim, cfg.embedding_dim
-        self.num_heads, self.attention_dim, self.linear_dim = H, dq, dv
         self.attn_input_norm = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
         self.qkv = nn.Linear(D, H * (2 * dq + dv))
         self.output = nn.Linear(H * dv, D)
@@ -45,10 +61,6 @@ class TransformerBlock(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(D, cfg.ffn_multiplier * D), nn.GELU(),
                                  nn.Linear(cfg.ffn_multiplier * D, D))
         self.dropout = nn.Dropout(cfg.dropout)
-        self.dropout_p = cfg.dropout
-        self.kernel_name = kernel
-        self.kernel = KERNELS[("transformer", kernel)]
-        self.bucket_min_fill = cfg.bucket_min_fill
 
     def project(self, x_TD: torch.Tensor):
         """-> (None, q [T, H, dq], k [T, H, dq], v [T, H, dv])."""
@@ -61,20 +73,14 @@ class TransformerBlock(nn.Module):
         h = x_TD + self.dropout(self.output(attn))
         return h + self.dropout(self.ffn(self.ffn_norm(h)))
 
-    def forward(self, x_TD: torch.Tensor, layout: JaggedLayout, return_kv: bool = False):
-        """-> y_TD, or (y_TD, k_THd, v_THd) with return_kv (for the history cache)."""
-        _, q, k, v = self.project(x_TD)
-        y = self.finish(x_TD, None, _attention(self, q, k, v, layout))
-        return (y, k, v) if return_kv else y
 
-
-class SASRecBlock(nn.Module):
+class SASRecBlock(_SoftmaxBlock):
     """The original SASRec block (see the module docstring)."""
 
     def __init__(self, cfg: TowerConfig, kernel: str) -> None:
         super().__init__()
+        self._setup(cfg, kernel)
         H, dq, dv, D = cfg.num_heads, cfg.attention_dim, cfg.linear_dim, cfg.embedding_dim
-        self.num_heads, self.attention_dim, self.linear_dim = H, dq, dv
         self.attn_input_norm = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
         self.q = nn.Linear(D, H * dq)
         self.kv = nn.Linear(D, H * (dq + dv))
@@ -83,10 +89,6 @@ class SASRecBlock(nn.Module):
         hidden = cfg.ffn_multiplier * D
         self.ffn = nn.Sequential(nn.Linear(D, hidden), nn.Dropout(cfg.dropout), nn.ReLU(), nn.Linear(hidden, D),
                                  nn.Dropout(cfg.dropout))
-        self.dropout_p = cfg.dropout
-        self.kernel_name = kernel
-        self.kernel = KERNELS[("transformer", kernel)]
-        self.bucket_min_fill = cfg.bucket_min_fill
 
     def project(self, x_TD: torch.Tensor):
         """-> (normalized queries [T, D], q [T, H, dq], k [T, H, dq], v [T, H, dv])."""
@@ -100,9 +102,3 @@ class SASRecBlock(nn.Module):
     def finish(self, x_TD: torch.Tensor, x_norm: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         g = self.ffn_norm(x_norm + self.output(attn))
         return g + self.ffn(g)
-
-    def forward(self, x_TD: torch.Tensor, layout: JaggedLayout, return_kv: bool = False):
-        """-> y_TD, or (y_TD, k_THd, v_THd) with return_kv (for the history cache)."""
-        x_norm, q, k, v = self.project(x_TD)
-        y = self.finish(x_TD, x_norm, _attention(self, q, k, v, layout))
-        return (y, k, v) if return_kv else y

@@ -42,8 +42,3 @@ def all_reduce_sum(values: list[float]) -> list[float]:
 def any_rank(flag: bool) -> bool:
     """Whether `flag` holds on any rank (itself without a process group)."""
     return bool(all_reduce_sum([float(flag)])[0] > 0)
-
-
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()

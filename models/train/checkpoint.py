@@ -15,7 +15,7 @@ Usage in a training loop:
         dense, rank_state = ckpt.load(path, config_fingerprint=fingerprint)
         model.load_state_dict(dense["model"]); optimizer.load_state_dict(dense["optimizer"])
         restore_rng_state(rank_state["rng"]); step = rank_state["step"]
-        store.load_snapshot(str(sparse_snapshot_dir(path)))
+        store.load_snapshot(str(sparse_snapshot_dir(path)))  # models.runs.sparse_snapshot_dir
     stop = install_stop_signals()
     while step < total_steps:
         ...
@@ -56,13 +56,9 @@ import torch.distributed as dist
 
 from genrec.data.files import fsync_path, sha256_file
 from genrec.models.runs import (
-    DENSE_FILE, FORMAT_VERSION, MARKER, RANK_STATE_FILE, SHARED, TMP_PREFIX, complete_steps, latest_checkpoint,
-    rank_dir_name, read_marker, shared_dir, sparse_snapshot_dir, step_dir_name, verify_file,
+    DENSE_FILE, FORMAT_VERSION, MARKER, RANK_STATE_FILE, TMP_PREFIX, complete_steps, latest_checkpoint,
+    rank_dir_name, read_marker, shared_dir, step_dir_name, verify_file, verify_shared,
 )
-
-__all__ = ["CheckpointManager", "StopFlag", "capture_rng_state", "install_stop_signals", "read_marker",
-           "restore_rng_state", "sparse_snapshot_dir"]
-_TMP_PREFIX = TMP_PREFIX
 
 
 def _dist_on() -> bool:
@@ -230,7 +226,7 @@ class CheckpointManager:
             fsync_path(tmp)
             replaced = None
             if final.exists():  # re-saving a step (resumed from an older one): move the old aside
-                replaced = self.root / f"{_TMP_PREFIX}replaced-{final.name}-{os.getpid()}"
+                replaced = self.root / f"{TMP_PREFIX}replaced-{final.name}-{os.getpid()}"
                 os.replace(final, replaced)
             os.replace(tmp, final)
             fsync_path(self.root)
@@ -247,9 +243,9 @@ class CheckpointManager:
             # Anything left under a temp name is a save that died (or a pruned dir that was
             # not fully deleted): no save is running now, since every rank is here.
             for p in self.root.iterdir():
-                if p.name.startswith(_TMP_PREFIX):
+                if p.name.startswith(TMP_PREFIX):
                     shutil.rmtree(p, ignore_errors=True)
-            name = f"{_TMP_PREFIX}step-{step:08d}-{os.getpid()}"
+            name = f"{TMP_PREFIX}step-{step:08d}-{os.getpid()}"
             (self.root / name).mkdir()
         if _dist_on():
             box = [name]
@@ -263,7 +259,7 @@ class CheckpointManager:
             if step in self.pinned:
                 continue
             # Rename first: a half-deleted dir must not keep looking like a checkpoint.
-            doomed = self.root / f"{_TMP_PREFIX}delete-{p.name}"
+            doomed = self.root / f"{TMP_PREFIX}delete-{p.name}"
             os.replace(p, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
 
@@ -294,9 +290,7 @@ class CheckpointManager:
             raise ValueError(f"{path / MARKER} lists no {DENSE_FILE} or {prefix}{RANK_STATE_FILE}")
         for rel, meta in sorted(mine.items()):
             verify_file(path / rel, meta)
-        for rel, meta in sorted(marker["files"].items()):
-            if rel.startswith(SHARED + "/"):  # read and CRC-checked by their owner, under any world size
-                verify_file(path / rel, meta, checksum=False)
+        verify_shared(path, marker, checksum=False)  # read and CRC-checked by their owner, under any world size
         dense = torch.load(path / DENSE_FILE, map_location="cpu", weights_only=True)
         rank_state = torch.load(path / prefix / RANK_STATE_FILE, map_location="cpu", weights_only=True)
         return dense, rank_state

@@ -7,20 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from genrec.data.prepare import load_manifest, prepare
-from genrec.data.synth import synthesize
+from genrec.data.prepare import load_manifest
 from genrec.models.config_loader import to_dict
 from genrec.models.runs import BEST_FILE, read_marker, resolve_checkpoint
 from train_helpers import tiny_config
 
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("protocol")
-    synthesize(root / "logs", num_users=120, num_items=300, num_events=6000, seed=5, progress=False)
-    cfg = tiny_config(root / "data", root / "run")
-    prepare(root / "logs", root / "data", cfg.data.features, cfg.data.prepare.split, num_shards=2, row_group_users=32)
-    return root / "data"
 
 
 def _records(run: Path) -> list[dict]:

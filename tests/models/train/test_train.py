@@ -16,22 +16,12 @@ import torch.multiprocessing as mp
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from genrec.data.batch import Batch
-from genrec.data.prepare import prepare
-from genrec.data.synth import synthesize
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import from_dict, to_dict
 from train_helpers import tiny_config
 
 GOLDEN = Path(__file__).parents[2] / "assets" / "golden_losses.json"
 
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("trainlog")
-    synthesize(root / "logs", num_users=120, num_items=300, num_events=6000, seed=3, progress=False)
-    cfg = tiny_config(root / "data", root / "run")
-    prepare(root / "logs", root / "data", cfg.data.features, cfg.data.prepare.split, num_shards=2, row_group_users=32)
-    return root / "data"
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
