@@ -20,8 +20,10 @@ def keep_large_allocations() -> None:
 
     glibc maps every allocation above its mmap threshold (128 KiB to 32 MiB) afresh and
     unmaps it on free, so each step's large temporaries (logits, attention tiles, row
-    gathers) are page-faulted in again every step: a full-softmax step measured 1.8x
-    slower with ~18x the system time. GENREC_MALLOC_TUNING=0 leaves glibc's defaults."""
+    gathers) are page-faulted in again every step. A Beauty-sized full-softmax step (1,100
+    queries x 12K items, D = 50, one thread, load average 1.0) took 452 ms with glibc's
+    defaults against 235 ms with this (median of 3 each), with 12.6 s against 0.4 s of
+    system time over 50 steps. GENREC_MALLOC_TUNING=0 leaves glibc's defaults."""
     if os.environ.get("GENREC_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
         return
     try:
