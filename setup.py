@@ -1,7 +1,7 @@
 """Builds the native kernels at install time (`pip install -e .` or `pip install .`).
 
-dense/csrc/hstu_tile.c is plain C + OpenMP with no Python or torch headers; it is built as
-a shared library beside genrec.dense and loaded through ctypes. The instruction set is
+dense/csrc/hstu_tile.c (C + OpenMP) and sparse/csrc/store.c (C) have no Python or torch
+headers; each is built as a shared library beside its package and loaded through ctypes. The instruction set is
 chosen here, not with -march=native, so a library built on one machine runs on any CPU of
 the same family that has those features: genrec.dense.fused checks them when it loads.
 Everything else about the project is in pyproject.toml.
@@ -35,6 +35,11 @@ setup(
         # -ffast-math only at compile time: linked into a shared library it would also set
         # flush-to-zero for the whole process.
         extra_compile_args=["-O3", "-ffast-math", "-fopenmp", *ISA], extra_link_args=["-fopenmp", "-lm"],
+    ), Extension(
+        "genrec.sparse._store_kernels", sources=["sparse/csrc/store.c"],
+        # The store's kernels reproduce the PyTorch reference bit for bit: no fast-math, and
+        # no fused multiply-add contraction (each product and sum rounds on its own).
+        extra_compile_args=["-O3", "-ffp-contract=off", *ISA], extra_link_args=["-lm"],
     )],
     cmdclass={"build_ext": BuildNative},
 )

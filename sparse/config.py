@@ -85,3 +85,9 @@ class SparseConfig:
     """Rows per memory-mapped slab file of the SSD tier."""
     device: str = "cpu"
     """Device of the device tier and of the outputs ("cpu" or "cuda")."""
+    kernels: Literal["native", "reference"] = "native"
+    """The store's kernels: "native" (csrc/store.c, built by the install command: the
+    index, the fused lookup and optimizer step, CLOCK cache victims, the TTL sweep) or
+    "reference" (the same in PyTorch, several times slower, for a platform without a C
+    compiler; the rows are the same bit for bit). Native kernels that cannot load are an
+    error saying why, never a silent switch."""

@@ -21,7 +21,10 @@ rows come back. The returned values are the output of one autograd Function whos
 backward sums row gradients per unique id, sends them to the owners and applies the
 sparse optimizer to the rows wherever they live at that moment: the trainer calls only
 loss.backward(). Every rank must call forward with the same keys and run backward on
-the outputs of every training forward (the backward holds collectives).
+the outputs of every training forward (the backward holds collectives). On one rank with
+native kernels and CPU rows, deduplication, lookup and gather are one native call
+(TableStore.train_forward) and the backward one more; rows to create or move take the
+general path inside it.
 
 Eval mode or torch.no_grad(): read-only; unknown / unadmitted / expired ids read the
 table's default row and no counter, row or tier changes.
@@ -103,13 +106,31 @@ class _TableCall:
         self.store.apply_grad(self.owner_ids_U[keep], grad_UD[keep.to(grad_UD.device)], self.now)
 
 
+    def output(self, values_LD: torch.Tensor) -> torch.Tensor:
+        return values_LD.index_select(0, self.inverse_N)
+
+
+class _LocalCall:
+    """One table's training forward on one rank through the store's fused native lookup
+    (TableStore.train_forward): its values are already one row per id."""
+
+    def __init__(self, store, ctx) -> None:
+        self.store, self.ctx = store, ctx
+
+    def output(self, values_ND: torch.Tensor) -> torch.Tensor:
+        return values_ND
+
+    def apply_grad(self, grad_ND: torch.Tensor) -> None:
+        self.store.train_backward(self.ctx, grad_ND)
+
+
 class _FusedLookup(torch.autograd.Function):
     """Outputs per-table rows; backward applies the sparse optimizer (fused, no .grad)."""
 
     @staticmethod
     def forward(ctx, anchor, calls, *values_per_table):
         ctx.calls = calls
-        return tuple(v.index_select(0, c.inverse_N) for v, c in zip(values_per_table, calls))
+        return tuple(c.output(v) for v, c in zip(values_per_table, calls))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -153,7 +174,8 @@ class TieredEmbeddingCollection(nn.Module):
             tdir = os.path.join(root, f"{name}.rank{self.rank}")
             os.makedirs(tdir, exist_ok=True)
             remove_slab_files(tdir)  # an earlier run's spill: never read again (see tiers.py)
-            self.stores[name] = TableStore(t, tdir, config.ssd_slab_rows, self.device, unlink_slabs=temporary)
+            self.stores[name] = TableStore(t, tdir, config.ssd_slab_rows, self.device, unlink_slabs=temporary,
+                                           kernels=config.kernels)
         self.event_time: int | None = None
         # Leaf that makes the fused outputs require grad; it never receives a gradient.
         self._anchor = torch.zeros((), requires_grad=True)
@@ -194,6 +216,12 @@ class TieredEmbeddingCollection(nn.Module):
         for name, feats in self._ids_per_table(kjt):
             store = self.stores[name]
             ids_N = torch.cat([jt.values() for _, jt in feats]).to(torch.int64).cpu()
+            if train and self.world_size == 1 and store.native_rows:
+                vals_N, ctx = store.train_forward(ids_N, now)
+                calls.append(_LocalCall(store, ctx))
+                values.append(vals_N)
+                layout.append(feats)
+                continue
             uniq_L, inv_N, cnt_L = torch.unique(ids_N, return_inverse=True, return_counts=True)
             ex = _Exchange(uniq_L, self.group)
             if ex.world == 1:
@@ -216,7 +244,7 @@ class TieredEmbeddingCollection(nn.Module):
         if train and calls:
             outs = _FusedLookup.apply(self._anchor, calls, *values)
         else:
-            outs = [v.index_select(0, c.inverse_N) for v, c in zip(values, calls)]
+            outs = [c.output(v) for v, c in zip(values, calls)]
         result: dict[str, JaggedTensor] = {}
         for out_ND, feats in zip(outs, layout):
             sizes = [int(jt.values().numel()) for _, jt in feats]

@@ -55,8 +55,24 @@ def initial_rows(cfg: TableConfig, ids_U: torch.Tensor) -> torch.Tensor:
     return rows_UW
 
 
+def sum_squares(g_UD: torch.Tensor) -> torch.Tensor:
+    """Row sums of g^2 in one fixed order: columns zero-padded to a power of two, then
+    halved pairwise (x[:h] + x[h:]) down to one. The native step (csrc/store.c) adds in
+    the same order, so both give the same bits; a library reduction's order is its own."""
+    sq_UP = g_UD * g_UD
+    d = sq_UP.shape[1]
+    p = 1 << max(d - 1, 0).bit_length()
+    if p != d:
+        sq_UP = torch.nn.functional.pad(sq_UP, (0, p - d))
+    while sq_UP.shape[1] > 1:
+        h = sq_UP.shape[1] // 2
+        sq_UP = sq_UP[:, :h] + sq_UP[:, h:]
+    return sq_UP[:, 0]
+
+
 def apply_update(cfg: TableConfig, rows_UW: torch.Tensor, grad_UD: torch.Tensor) -> None:
-    """Update packed rows in place from their summed gradients (one optimizer step each)."""
+    """Update packed rows in place from their summed gradients (one optimizer step each).
+    Each operation rounds on its own (no fused multiply-add), as in csrc/store.c."""
     d = cfg.embedding_dim
     w_UD = rows_UW[:, :d]
     if cfg.weight_decay:
@@ -64,9 +80,12 @@ def apply_update(cfg: TableConfig, rows_UW: torch.Tensor, grad_UD: torch.Tensor)
     if cfg.optimizer == "rowwise_adagrad":
         # FBGEMM: momentum += mean(g^2); w -= lr / (sqrt(momentum) + eps) * g.
         mom_U = rows_UW[:, d]
-        mom_U.add_(torch.linalg.vecdot(grad_UD, grad_UD) / d)
-        mult_U1 = (mom_U.sqrt() + cfg.eps).reciprocal_().mul_(-cfg.learning_rate).unsqueeze(1)
-        w_UD.addcmul_(grad_UD, mult_U1)
+        mom_U.add_(sum_squares(grad_UD) / d)
+        # sqrt through float64: torch's fp32 sqrt on CPU is not always correctly rounded
+        # (measured: 20% of values off by an ulp), a float64 one rounded to fp32 is.
+        root_U = mom_U.double().sqrt_().float()
+        mult_U1 = (root_U + cfg.eps).reciprocal_().mul_(-cfg.learning_rate).unsqueeze(1)
+        w_UD.add_(grad_UD * mult_U1)
     elif cfg.optimizer == "sgd":
         w_UD.sub_(grad_UD * cfg.learning_rate)
     else:  # adam with a per-row step count (lazy Adam: rows not seen do not decay)

@@ -22,20 +22,54 @@ import os
 
 import torch
 
-from . import optim
+from . import native, optim
 from .admission import PendingCounters
 from .config import TableConfig
 from .hashing import TensorHashMap, lowest_k, rank_order
 from .tiers import META_FREQ, META_LAST_ACCESS, META_LAST_UPDATE, NUM_META, Tier
 
 
+class ReferenceIndex(TensorHashMap):
+    """The PyTorch id index (kernels="reference") behind native.NativeIndex's interface;
+    the tier descriptor those calls take is not needed here (keys are stored)."""
+
+    def get(self, ids_N: torch.Tensor, tiers=None) -> torch.Tensor:
+        return super().get(ids_N)
+
+    def insert(self, ids_N: torch.Tensor, loc_N: torch.Tensor, tiers=None) -> None:
+        self.insert_new(ids_N, loc_N)
+
+    def remove(self, ids_N: torch.Tensor, tiers=None) -> None:
+        slots_N = self.find_slots(ids_N)
+        self.remove_slots(slots_N[slots_N >= 0])
+
+    def items(self, tiers=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().items()
+
+    @property
+    def nbytes(self) -> int:
+        return (self.keys_C.numel() + self.values_C.numel()) * 8
+
+
+class _FusedGrad:
+    """What a fused training lookup's backward needs (TableStore.train_forward)."""
+
+    def __init__(self, version: int, inv_N, uniq_U, loc_U, admitted_U, now: int | None) -> None:
+        self.version, self.inv_N, self.uniq_U, self.loc_U = version, inv_N, uniq_U, loc_U
+        self.admitted_U, self.now = admitted_U, now
+
+
 class TableStore:
     def __init__(self, cfg: TableConfig, ssd_dir: str, slab_rows: int, device: torch.device,
-                 unlink_slabs: bool = False, generation: int = 0) -> None:
+                 unlink_slabs: bool = False, generation: int = 0, kernels: str = "native") -> None:
         """ssd_dir: this table's own directory for SSD slabs. unlink_slabs: slab files lose
         their names once mapped (a temporary SSD tier: nothing to clean after kill -9).
         generation: names this store's slabs apart from those of the store it may replace
-        (a snapshot load builds the new one beside the old)."""
+        (a snapshot load builds the new one beside the old). kernels: "native" (the
+        index, lookup, optimizer step, victims and TTL sweep of csrc/store.c) or
+        "reference" (the same in PyTorch: same rows bit for bit, slower)."""
+        if kernels not in ("native", "reference"):
+            raise ValueError(f"sparse config: kernels must be 'native' or 'reference', got {kernels!r}")
         self.cfg = cfg
         self.dim = cfg.embedding_dim
         self.width = optim.row_width(cfg)
@@ -52,7 +86,19 @@ class TableStore:
         # device hit: leave it in place instead of moving it up and another row down
         # (measured: moves dominated step time on Zipf streams). On CUDA host hits move up.
         self.keep_host_hits = device.type == "cpu"
-        self.index = TensorHashMap()
+        self.kernels = kernels
+        self.native = kernels == "native"
+        # The native row kernels read and write tier memory directly: CPU tiers only. On
+        # CUDA the device tier's rows go through PyTorch (the index stays native).
+        self.native_rows = self.native and device.type == "cpu"
+        self.index = native.NativeIndex() if self.native else ReferenceIndex()
+        if not self.native:
+            native.note_reference()
+        self.view = native.TierView()
+        # CLOCK state of the two memory tiers (native victims): a count per slot, a hand.
+        self.clock_max = native.CLOCK_MAX[cfg.cache_policy]
+        self.clock_ref = [torch.zeros(t.capacity or 1, dtype=torch.uint8) for t in self.tiers[:2]]
+        self.clock_hand = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
         self.pending = PendingCounters(cfg)
         self.step = 0  # counts training lookups (forwards), not steps: finer LRU order within a step
         # Steps: the open one began at lookup `window_start`; done once its backward ran.
@@ -64,8 +110,11 @@ class TableStore:
         self.misses = 0
 
     # ---------------------------------------------------------------- locating rows
+    def _tier_view(self) -> torch.Tensor:
+        return self.view.of(self.tiers, self.dim)
+
     def _locate(self, ids_U: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        loc_U = self.index.get(ids_U)
+        loc_U = self.index.get(ids_U, self._tier_view())
         return loc_U & 3, loc_U >> 2  # (tier, slot); tier 3 / slot -1 where absent
 
     def _read(self, tier_U, slot_U, with_rows: bool = True):
@@ -80,16 +129,18 @@ class TableStore:
         return rows_UW, meta_U3
 
     def _set_loc(self, ids_N: torch.Tensor, slots_N: torch.Tensor, t: int) -> None:
+        """Index rows just written (ids in their slots) that have no entry."""
         self.version += 1
-        idx_N = self.index.find_slots(ids_N)
-        loc_N = (slots_N << 2) | t
-        have = idx_N >= 0
-        self.index.set_existing(idx_N[have], loc_N[have])
-        self.index.insert_new(ids_N[~have], loc_N[~have])
+        self.index.insert(ids_N, (slots_N << 2) | t, self._tier_view())
+
+    def _detach(self, ids_N: torch.Tensor) -> None:
+        """Take rows out of the index while their slots still hold them: a moving row
+        leaves the index before its old slot is freed and returns once placed."""
+        self.version += 1
+        self.index.remove(ids_N, self._tier_view())
 
     def _remove(self, ids_N, tier_N, slot_N) -> None:
-        self.version += 1
-        self.index.remove_slots(self.index.find_slots(ids_N))
+        self._detach(ids_N)
         for t, tier in enumerate(self.tiers):
             tier.free(slot_N[tier_N == t])
 
@@ -106,9 +157,15 @@ class TableStore:
         return meta_N3[:, META_LAST_ACCESS] >= self.window_start
 
     # ---------------------------------------------------------------- placement
-    def _victims(self, tier: Tier, k: int) -> torch.Tensor:
+    def _victims(self, t: int, k: int) -> torch.Tensor:
+        """Slots of up to k rows of memory tier t to move down a tier. Native: CLOCK, which
+        never scans the tier. Reference: the policy's k lowest (score, id). Which rows
+        leave a cache changes only where rows sit, never their values."""
+        tier = self.tiers[t]
         if tier.num_slots == 0 or k <= 0:
             return torch.empty(0, dtype=torch.int64)
+        if self.native:
+            return native.clock_victims(tier, self.clock_ref[t], self.clock_hand[t], k, self.step, self.clock_max)
         meta_S3 = tier.all_meta()
         ids_S = torch.cat([s.view(-1) for s in tier.ids.slabs])
         cand_M = ((ids_S >= 0) & (meta_S3[:, META_LAST_ACCESS] < self.step)).nonzero().squeeze(1)
@@ -126,10 +183,11 @@ class TableStore:
             if n > free:
                 # Evict 1/32 of the tier beyond what is needed (a low watermark), so the
                 # O(capacity) victim search runs every few steps rather than every step.
-                victims = self._victims(tier, n - free + tier.capacity // 32)
+                victims = self._victims(t, n - free + tier.capacity // 32)
                 if victims.numel():
                     v_ids = tier.ids.gather(victims).squeeze(1)
                     v_rows, v_meta = tier.rows.gather(victims), tier.meta.gather(victims)
+                    self._detach(v_ids)
                     tier.free(victims)
                     self._place(v_ids, v_rows, v_meta, t + 1)
                 free = tier.num_free()
@@ -145,6 +203,9 @@ class TableStore:
                 return
         slots_N = tier.alloc(n)
         tier.write(slots_N, ids_N, rows_NW, meta_N3)
+        if t < 2:  # CLOCK: rows of this lookup arrive with their count (capped), demoted ones with 0
+            fresh_N = meta_N3[:, META_LAST_ACCESS] >= self.step
+            self.clock_ref[t][slots_N] = (meta_N3[:, META_FREQ].clamp(max=self.clock_max) * fresh_N).to(torch.uint8)
         self._set_loc(ids_N, slots_N, t)
 
     def _top_tier(self) -> int:
@@ -155,6 +216,7 @@ class TableStore:
     def _promote(self, ids_P, tier_P, slot_P, rows_PW, meta_P3) -> None:
         """Move rows found below the device tier up to it (freeing their old slots)."""
         target = self._top_tier()
+        self._detach(ids_P)
         for t in (1, 2):
             self.tiers[t].free(slot_P[tier_P == t])
         self._place(ids_P, rows_PW, meta_P3, target)
@@ -173,6 +235,14 @@ class TableStore:
             return 0
         dropped = 0
         self.pending.expire(now)
+        if self.native:
+            open_from = self.window_start if not self.step_done else 1 << 62
+            for t, tier in enumerate(self.tiers):
+                for slots_M in native.expired_slots(tier, now - self.cfg.ttl_seconds, open_from):
+                    self._remove(tier.ids.gather(slots_M).squeeze(1), torch.full_like(slots_M, t), slots_M)
+                    dropped += int(slots_M.numel())
+            self.last_sweep = now
+            return dropped
         for t, tier in enumerate(self.tiers):
             slots_S, ids_S = tier.used_slots()
             if slots_S.numel() == 0:
@@ -212,8 +282,8 @@ class TableStore:
             return optim.initial_values(self.cfg, ids_N).to(self.device)
         return torch.zeros(ids_N.numel(), self.dim, device=self.device)
 
-    def lookup_train(self, ids_U: torch.Tensor, counts_U: torch.Tensor, now: int | None):
-        """Rows of unique ids for a training forward. Returns (values [U, D], admitted [U])."""
+    def _begin_lookup(self, now: int | None) -> None:
+        """Open the step if a backward closed the last one; count the lookup; sweep TTL."""
         if self.step_done:  # the first forward since a backward opens a new step
             self.window_start, self.step_done = self.step + 1, False
         self.step += 1
@@ -221,10 +291,69 @@ class TableStore:
         ttl = self.cfg.ttl_seconds
         if ttl is not None and now is not None and (self.last_sweep is None or now - self.last_sweep >= max(ttl // 4, 1)):
             self.expire(now)
+
+    def _native_lookup(self, ids_N, counts_N, now, out: bool):
+        """csrc/store.c's fused lookup: (U, committed, inv, uniq, cnt, loc); with `out`,
+        also the rows [N, D] when it committed (see fwd_lookup)."""
+        n = ids_N.numel()
+        inv_N, uniq_N, cnt_N, loc_N = (torch.empty(n, dtype=torch.int64) for _ in range(4))
+        out_ND = torch.empty(n, self.dim) if out else None
+        top = self._top_tier()
+        serve = (1 << top) | (2 if self.keep_host_hits else 0)
+        ttl = self.cfg.ttl_seconds
+        expire_before = now - ttl if ttl is not None and now is not None else native.NO_EXPIRY
+        r = torch.ops.genrec_sparse.fwd_lookup(
+            self._tier_view(), self.index.handle, ids_N.contiguous(), counts_N, serve, expire_before,
+            self.window_start, self.step, inv_N, uniq_N, cnt_N, loc_N, out_ND, *self.clock_ref, self.clock_max)
+        if r < -n - 1:
+            raise MemoryError("genrec.sparse: the fused lookup could not allocate its scratch table")
+        u = r if r >= 0 else -r - 1
+        if r >= 0:
+            for t, c in enumerate(torch.bincount(loc_N[:u] & 3, minlength=3).tolist()[:3]):
+                self.hits[t] += c
+        return u, r >= 0, inv_N, uniq_N[:u], cnt_N[:u], loc_N[:u], out_ND
+
+    def lookup_train(self, ids_U: torch.Tensor, counts_U: torch.Tensor, now: int | None):
+        """Rows of unique ids for a training forward. Returns (values [U, D], admitted [U])."""
+        self._begin_lookup(now)
+        if self.native_rows:
+            u, done, _, _, _, loc_U, values_UD = self._native_lookup(ids_U, counts_U.contiguous(), now, out=True)
+            if done:
+                self.last_locations = (self.version, loc_U)
+                return values_UD, torch.ones_like(ids_U, dtype=torch.bool)
+            return self._lookup_moving(ids_U, counts_U, loc_U & 3, loc_U >> 2, now)
         tier_U, slot_U = self._locate(ids_U)
         top = self._top_tier()
-        if ttl is None and bool((tier_U == top).all()):
+        if self.cfg.ttl_seconds is None and bool((tier_U == top).all()):
             return self._lookup_resident(ids_U, counts_U, slot_U, top)
+        return self._lookup_moving(ids_U, counts_U, tier_U, slot_U, now)
+
+    def train_forward(self, ids_N: torch.Tensor, now: int | None):
+        """A training forward straight from raw ids (one rank, native CPU rows): returns
+        (values [N, D], context for train_backward). Deduplicates, locates and gathers in
+        one native call; a row to create, move or expire takes the general path."""
+        self._begin_lookup(now)
+        u, done, inv_N, uniq_U, cnt_U, loc_U, out_ND = self._native_lookup(ids_N, None, now, out=True)
+        if done:
+            return out_ND, _FusedGrad(self.version, inv_N, uniq_U, loc_U, None, now)
+        values_UD, admitted_U = self._lookup_moving(uniq_U, cnt_U, loc_U & 3, loc_U >> 2, now)
+        return values_UD.index_select(0, inv_N), _FusedGrad(-1, inv_N, uniq_U, None, admitted_U, now)
+
+    def train_backward(self, ctx: _FusedGrad, grad_ND: torch.Tensor) -> None:
+        """train_forward's backward: sum gradients per unique id (in the order of the
+        ids, like index_add_), then one optimizer step per row, in place."""
+        grad_ND = grad_ND.float().contiguous()
+        grad_UD = torch.zeros(ctx.uniq_U.numel(), self.dim)
+        torch.ops.genrec_sparse.grad_accumulate(ctx.inv_N, grad_ND, grad_UD)
+        if ctx.admitted_U is not None:
+            keep = ctx.admitted_U.nonzero().squeeze(1)
+            self.apply_grad(ctx.uniq_U[keep], grad_UD[keep], ctx.now)
+            return
+        self.apply_grad(ctx.uniq_U, grad_UD, ctx.now, (ctx.version, ctx.loc_U))
+
+    def _lookup_moving(self, ids_U, counts_U, tier_U, slot_U, now: int | None):
+        """The general training lookup: expire lazily, admit, create, refresh and move rows."""
+        top = self._top_tier()
         exists_U = slot_U >= 0
         ex = exists_U.nonzero().squeeze(1)
         rows_EW, meta_E3 = self._read(tier_U[ex], slot_U[ex])
@@ -263,6 +392,9 @@ class TableStore:
             here = (stay & (tier_A == t)).nonzero().squeeze(1)
             if here.numel():
                 self.tiers[t].meta.scatter(slot_U[ws[here]], meta_A3[here])
+                slots = slot_U[ws[here]]
+                ref = self.clock_ref[t][slots].long() + counts_U[ws[here]]
+                self.clock_ref[t][slots] = ref.clamp(max=self.clock_max).to(torch.uint8)
         up = (~stay).nonzero().squeeze(1)
         self._promote(ids_U[ws[up]], tier_A[up], slot_U[ws[up]], rows_AW[up.to(self.device)], meta_A3[up])
         self._enforce_max_rows()
@@ -304,12 +436,25 @@ class TableStore:
     def apply_grad(self, ids_A: torch.Tensor, grad_AD: torch.Tensor, now: int | None, locations=None) -> None:
         """One optimizer step on each row from its summed gradient, wherever it lives now.
 
-        `locations` = (version, tier, slot_A, rows_AW) from the forward's fast path; used
-        only if no row has moved or changed since (version unchanged), else the ids are
-        located and read again."""
+        `locations` from the forward's fast path: (version, loc_A) of a native lookup, or
+        (version, tier, slot_A, rows_AW) of the reference one; used only if no row has
+        moved or changed since (version unchanged), else the ids are located again."""
         self.step_done = True
         self.version += 1
-        if locations is not None and locations[0] == self.version - 1 and self.cfg.ttl_seconds is None:
+        fresh = locations is not None and locations[0] == self.version - 1
+        stamp = self.cfg.ttl_seconds is not None and now is not None
+        if self.native_rows and self.cfg.optimizer in native.OPTIMIZERS:
+            loc_A = locations[1] if fresh and len(locations) == 2 else self.index.get(ids_A, self._tier_view())
+            grad_AD = grad_AD.float().contiguous()
+            have = loc_A >= 0  # every id has a row in practice: open-step rows are never dropped
+            if not bool(have.all()):
+                loc_A, grad_AD = loc_A[have], grad_AD[have]
+            cfg = self.cfg
+            torch.ops.genrec_sparse.apply_rows(self._tier_view(), loc_A.contiguous(), grad_AD,
+                                               native.OPTIMIZERS[cfg.optimizer], cfg.learning_rate, cfg.eps,
+                                               cfg.weight_decay, int(stamp), now if stamp else 0)
+            return
+        if fresh and len(locations) == 4 and self.cfg.ttl_seconds is None:
             _, t, slot_A, rows_AW = locations
             optim.apply_update(self.cfg, rows_AW, grad_AD.to(rows_AW.device))
             self.tiers[t].rows.scatter(slot_A, rows_AW)
@@ -352,7 +497,8 @@ class TableStore:
         would double this table's device and host memory), its own SSD slabs. `adopt`
         takes it over once every file was read; until then this store is untouched."""
         cfg = dataclasses.replace(self.cfg, device_rows=0, host_rows=0)
-        return TableStore(cfg, self.ssd_dir, self.slab_rows, self.device, self.unlink_slabs, self.generation + 1)
+        return TableStore(cfg, self.ssd_dir, self.slab_rows, self.device, self.unlink_slabs, self.generation + 1,
+                          self.kernels)
 
     def stage(self, ids_N: torch.Tensor, rows_NW: torch.Tensor, meta_N3: torch.Tensor) -> None:
         """Add rows read from a snapshot (staging stores only: straight to SSD)."""

@@ -24,6 +24,8 @@ import re
 
 import torch
 
+from .native import new_layout
+
 META_LAST_ACCESS, META_FREQ, META_LAST_UPDATE = 0, 1, 2
 NUM_META = 3
 # Every file a store names as its slab: <prefix>.<rows|ids|meta>.<5 digits>.slab, with a
@@ -129,6 +131,7 @@ class Tier:
         self.ids = array("ids", 1, torch.int64, cpu, -1)
         self.meta = array("meta", NUM_META, torch.int64, cpu, 0)
         self.capacity = capacity
+        self.layout = new_layout()  # changes whenever a slab is added or dropped (native.TierView)
         self.free_F = torch.empty(0, dtype=torch.int64)
         if capacity != 0:
             self._grow()
@@ -139,6 +142,7 @@ class Tier:
         self.rows.add_slab()
         self.ids.add_slab()
         self.meta.add_slab()
+        self.layout = new_layout()
         # Pop order: lowest slot first (free_F is a stack popped from the end).
         new_F = torch.arange(self.rows.num_rows - 1, base - 1, -1, dtype=torch.int64)
         self.free_F = torch.cat([new_F, self.free_F])
@@ -186,5 +190,6 @@ class Tier:
     def destroy(self) -> None:
         for array in (self.rows, self.ids, self.meta):
             array.destroy()
+        self.layout = new_layout()
         self.free_F = torch.empty(0, dtype=torch.int64)
         self.num_used = 0

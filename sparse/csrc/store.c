@@ -1,0 +1,394 @@
+/* Native kernels of the tiered store: the id index, the fused training lookup, the fused
+ * sparse optimizer step, CLOCK cache victims and the TTL sweep.
+ *
+ * Plain C with no Python or torch headers: sparse/native.py loads it through ctypes and
+ * registers each entry point as a torch.library operator. Every kernel works on the
+ * store's own torch tensors (the tier slabs) through a descriptor of raw pointers, so
+ * nothing is copied in or out and the PyTorch reference (sparse/store.py with
+ * kernels="reference") and these kernels act on the same rows. Floating point follows the
+ * reference operation by operation (built with -ffp-contract=off and no fast-math), so
+ * both produce the same bits.
+ *
+ * Tier descriptor (int64 [17], built by native.tier_view):
+ *   [0:3]   slabs per tier          [3:6]   rows per slab
+ *   [6:9]   address of the tier's array of row-slab addresses   (fp32 [slab_rows, W])
+ *   [9:12]  same for id slabs        (int64 [slab_rows], -1 = free slot)
+ *   [12:15] same for metadata slabs  (int64 [slab_rows, 3]: last access, count, last update)
+ *   [15]    W (row width: values + optimizer state)   [16] D (embedding dim)
+ *
+ * Index. id -> loc (slot << 2 | tier) in 256 segments of open addressing with linear
+ * probing. An entry is 8 bytes: 22 fingerprint bits of the id's hash and loc + 1 (0 =
+ * empty). The id itself is not stored: a fingerprint match is confirmed against the tier's
+ * id slab at loc, so the store keeps one invariant: an entry's slot holds the entry's id
+ * whenever an index call runs (rows are removed from the index before their slot is
+ * freed, and inserted after their id is written). Deletion shifts the chain back (no
+ * tombstones). A segment grows by 1/4 when past 85% full, so at steady state the index
+ * costs 8 / load = 9.4-11.8 bytes per row, and a growth holds one segment (1/256 of the
+ * index) twice, never the whole table.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#define NUM_META 3
+#define META_LAST_ACCESS 0
+#define META_FREQ 1
+#define META_LAST_UPDATE 2
+
+#define SEG_BITS 8
+#define NUM_SEGS (1 << SEG_BITS)
+#define LOC_BITS 42
+#define LOC_MASK ((1ULL << LOC_BITS) - 1)
+#define FP_MASK ((1ULL << (64 - LOC_BITS)) - 1)
+#define MIN_SEG_CAP 16
+
+typedef struct {
+    uint64_t *tab;
+    int64_t cap, live;
+} Seg;
+
+typedef struct {
+    Seg seg[NUM_SEGS];
+    int64_t live, bytes, peak_bytes;
+} Index;
+
+typedef struct {
+    const int64_t *d;
+} Tiers;
+
+static inline uint64_t mix64(uint64_t z) {
+    /* splitmix64 of the id, salted so the index does not share bits with rank ownership
+     * (sparse/hashing.owner_rank), which would leave some bits constant on every rank. */
+    z ^= 0x2545F4914F6CDD1DULL;
+    z += 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static inline int64_t seg_home(uint64_t h, int64_t cap) {
+    return (int64_t)(((unsigned __int128)(h << SEG_BITS) * (uint64_t)cap) >> 64);
+}
+
+static inline int64_t *id_ptr(Tiers tv, int64_t loc) {
+    int64_t t = loc & 3, slot = loc >> 2, per = tv.d[3 + t];
+    int64_t *const *slabs = (int64_t *const *)(intptr_t)tv.d[9 + t];
+    return slabs[slot / per] + slot % per;
+}
+
+static inline float *row_ptr(Tiers tv, int64_t loc) {
+    int64_t t = loc & 3, slot = loc >> 2, per = tv.d[3 + t];
+    float *const *slabs = (float *const *)(intptr_t)tv.d[6 + t];
+    return slabs[slot / per] + (slot % per) * tv.d[15];
+}
+
+static inline int64_t *meta_ptr(Tiers tv, int64_t loc) {
+    int64_t t = loc & 3, slot = loc >> 2, per = tv.d[3 + t];
+    int64_t *const *slabs = (int64_t *const *)(intptr_t)tv.d[12 + t];
+    return slabs[slot / per] + (slot % per) * NUM_META;
+}
+
+static inline uint64_t entry_loc(uint64_t e) { return (e & LOC_MASK) - 1; }
+
+/* ------------------------------------------------------------------------- index */
+
+Index *ix_new(void) { return (Index *)calloc(1, sizeof(Index)); }
+
+void ix_free(Index *ix) {
+    if (!ix) return;
+    for (int s = 0; s < NUM_SEGS; s++) free(ix->seg[s].tab);
+    free(ix);
+}
+
+int64_t ix_len(const Index *ix) { return ix->live; }
+int64_t ix_bytes(const Index *ix) { return ix->bytes; }
+int64_t ix_peak_bytes(const Index *ix) { return ix->peak_bytes; }
+void ix_reset_peak(Index *ix) { ix->peak_bytes = ix->bytes; }
+
+static void seg_put(Seg *s, uint64_t h, uint64_t e) {
+    int64_t i = seg_home(h, s->cap);
+    while (s->tab[i]) i = (i + 1 == s->cap) ? 0 : i + 1;
+    s->tab[i] = e;
+}
+
+static int seg_grow(Index *ix, Seg *s, Tiers tv) {
+    int64_t cap = s->cap < MIN_SEG_CAP ? MIN_SEG_CAP : s->cap + s->cap / 4;
+    uint64_t *tab = (uint64_t *)calloc((size_t)cap, sizeof(uint64_t));
+    if (!tab) return -1;
+    int64_t held = ix->bytes + cap * 8;
+    if (held > ix->peak_bytes) ix->peak_bytes = held;
+    uint64_t *old = s->tab;
+    int64_t old_cap = s->cap;
+    s->tab = tab;
+    s->cap = cap;
+    for (int64_t i = 0; i < old_cap; i++)
+        if (old[i]) seg_put(s, mix64((uint64_t)*id_ptr(tv, (int64_t)entry_loc(old[i]))), old[i]);
+    free(old);
+    ix->bytes += (cap - old_cap) * 8;
+    return 0;
+}
+
+/* Position of id in its segment, -1 if absent. */
+static inline int64_t seg_find(const Seg *s, Tiers tv, int64_t id, uint64_t h) {
+    if (s->cap == 0) return -1;
+    uint64_t fp = h & FP_MASK;
+    int64_t i = seg_home(h, s->cap);
+    for (;;) {
+        uint64_t e = s->tab[i];
+        if (!e) return -1;
+        if ((e >> LOC_BITS) == fp && *id_ptr(tv, (int64_t)entry_loc(e)) == id) return i;
+        i = (i + 1 == s->cap) ? 0 : i + 1;
+    }
+}
+
+#define BLOCK 16
+
+/* loc of each id, -1 where absent. Hashes a block of ids and prefetches their home
+ * slots before probing any, so the cache misses of a block overlap. */
+void ix_find(const Index *ix, const int64_t *tvd, const int64_t *ids, int64_t n, int64_t *out) {
+    Tiers tv = {tvd};
+    uint64_t h[BLOCK];
+    for (int64_t b = 0; b < n; b += BLOCK) {
+        int64_t m = n - b < BLOCK ? n - b : BLOCK;
+        for (int64_t k = 0; k < m; k++) {
+            h[k] = mix64((uint64_t)ids[b + k]);
+            const Seg *s = &ix->seg[h[k] >> (64 - SEG_BITS)];
+            if (s->cap) __builtin_prefetch(&s->tab[seg_home(h[k], s->cap)]);
+        }
+        for (int64_t k = 0; k < m; k++) {
+            const Seg *s = &ix->seg[h[k] >> (64 - SEG_BITS)];
+            int64_t i = seg_find(s, tv, ids[b + k], h[k]);
+            out[b + k] = i < 0 ? -1 : (int64_t)entry_loc(s->tab[i]);
+        }
+    }
+}
+
+/* Insert ids known to be absent; the id slab at each loc must already hold the id.
+ * Returns 0, or -1 when memory ran out (the ids before the failing one are inserted). */
+int64_t ix_insert(Index *ix, const int64_t *tvd, const int64_t *ids, const int64_t *locs, int64_t n) {
+    Tiers tv = {tvd};
+    for (int64_t k = 0; k < n; k++) {
+        uint64_t h = mix64((uint64_t)ids[k]);
+        Seg *s = &ix->seg[h >> (64 - SEG_BITS)];
+        if ((s->live + 1) * 20 > s->cap * 17 && seg_grow(ix, s, tv)) return -1;
+        seg_put(s, h, ((h & FP_MASK) << LOC_BITS) | ((uint64_t)locs[k] + 1));
+        s->live++;
+        ix->live++;
+    }
+    return 0;
+}
+
+/* Remove ids (absent ones are skipped) while their slots still hold them; returns how
+ * many were removed. Backward-shift deletion: later entries of the chain that may move
+ * closer to their home slot do, so no tombstone is left. */
+int64_t ix_remove(Index *ix, const int64_t *tvd, const int64_t *ids, int64_t n) {
+    Tiers tv = {tvd};
+    int64_t removed = 0;
+    for (int64_t k = 0; k < n; k++) {
+        uint64_t h = mix64((uint64_t)ids[k]);
+        Seg *s = &ix->seg[h >> (64 - SEG_BITS)];
+        int64_t i = seg_find(s, tv, ids[k], h);
+        if (i < 0) continue;
+        int64_t j = i;
+        for (;;) {
+            j = (j + 1 == s->cap) ? 0 : j + 1;
+            uint64_t e = s->tab[j];
+            if (!e) break;
+            int64_t home = seg_home(mix64((uint64_t)*id_ptr(tv, (int64_t)entry_loc(e))), s->cap);
+            int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+            if (!stays) {
+                s->tab[i] = e;
+                i = j;
+            }
+        }
+        s->tab[i] = 0;
+        s->live--;
+        ix->live--;
+        removed++;
+    }
+    return removed;
+}
+
+/* Every (id, loc) in the index, in segment order; out arrays hold ix_len entries. */
+void ix_items(const Index *ix, const int64_t *tvd, int64_t *ids, int64_t *locs) {
+    Tiers tv = {tvd};
+    int64_t m = 0;
+    for (int s = 0; s < NUM_SEGS; s++)
+        for (int64_t i = 0; i < ix->seg[s].cap; i++) {
+            uint64_t e = ix->seg[s].tab[i];
+            if (!e) continue;
+            locs[m] = (int64_t)entry_loc(e);
+            ids[m] = *id_ptr(tv, locs[m]);
+            m++;
+        }
+}
+
+/* ------------------------------------------------------------------------- lookup */
+
+/* The fused training lookup. Deduplicates ids (first-occurrence order: inv[i] is the
+ * unique position of ids[i], uniq / cnt the unique ids and their sighting counts;
+ * `counts` = NULL counts each occurrence once) and locates each unique id (loc, -1 if
+ * absent). When every unique row is present, sits in a tier of `serve_mask` (bit t =
+ * tier t is read in place), and is live (last update >= expire_before, or looked up at
+ * or after open_from), it also commits: last access = step, count += sightings, CLOCK
+ * count += sightings (at most ref_max), and out [n, D] = each id's row values. Returns the number of unique ids U,
+ * or -(U + 1) when it did not commit (nothing was written then but inv, uniq, cnt, loc).
+ * A negative return below -n means memory ran out. */
+int64_t fwd_lookup(const Index *ix, const int64_t *tvd, const int64_t *ids, const int64_t *counts, int64_t n,
+                   int64_t serve_mask, int64_t expire_before, int64_t open_from, int64_t step,
+                   int64_t *inv, int64_t *uniq, int64_t *cnt, int64_t *loc, float *out,
+                   uint8_t *ref0, uint8_t *ref1, int64_t ref_max) {
+    Tiers tv = {tvd};
+    int64_t cap = 16;
+    while (cap < 2 * n) cap <<= 1;
+    int64_t *key = (int64_t *)malloc((size_t)cap * sizeof(int64_t));
+    int32_t *pos = (int32_t *)malloc((size_t)cap * sizeof(int32_t));
+    if (!key || !pos) {
+        free(key);
+        free(pos);
+        return -n - 2;
+    }
+    memset(key, 0xff, (size_t)cap * sizeof(int64_t)); /* -1: ids are >= 0 */
+    int64_t U = 0, mask = cap - 1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t id = ids[i];
+        int64_t c = counts ? counts[i] : 1;
+        int64_t j = (int64_t)(mix64((uint64_t)id) & (uint64_t)mask);
+        while (key[j] != -1 && key[j] != id) j = (j + 1) & mask;
+        if (key[j] == -1) {
+            key[j] = id;
+            pos[j] = (int32_t)U;
+            uniq[U] = id;
+            cnt[U++] = c;
+        } else {
+            cnt[pos[j]] += c;
+        }
+        inv[i] = pos[j];
+    }
+    free(key);
+    free(pos);
+    ix_find(ix, tvd, uniq, U, loc);
+    int ok = 1;
+    for (int64_t u = 0; u < U && ok; u++) {
+        if (loc[u] < 0 || !((serve_mask >> (loc[u] & 3)) & 1)) {
+            ok = 0;
+            break;
+        }
+        const int64_t *m = meta_ptr(tv, loc[u]);
+        if (m[META_LAST_UPDATE] < expire_before && m[META_LAST_ACCESS] < open_from) ok = 0;
+    }
+    if (!ok || !out) return -(U + 1);
+    for (int64_t u = 0; u < U; u++) {
+        int64_t *m = meta_ptr(tv, loc[u]);
+        m[META_LAST_ACCESS] = step;
+        m[META_FREQ] += cnt[u];
+        uint8_t *ref = (loc[u] & 3) == 0 ? ref0 : ref1;
+        if (ref) {
+            int64_t r = ref[loc[u] >> 2] + cnt[u];
+            ref[loc[u] >> 2] = (uint8_t)(r > ref_max ? ref_max : r);
+        }
+    }
+    int64_t D = tv.d[16];
+    for (int64_t i = 0; i < n; i++) {
+        if (i + 8 < n) __builtin_prefetch(row_ptr(tv, loc[inv[i + 8]]));
+        memcpy(out + i * D, row_ptr(tv, loc[inv[i]]), (size_t)D * sizeof(float));
+    }
+    return U;
+}
+
+/* acc [U, D] += grad [n, D] by inv, in the order of i (torch's index_add_ order). */
+void grad_accumulate(const int64_t *inv, int64_t n, const float *grad, int64_t D, float *acc) {
+    for (int64_t i = 0; i < n; i++) {
+        float *a = acc + inv[i] * D;
+        const float *g = grad + i * D;
+        for (int64_t d = 0; d < D; d++) a[d] = a[d] + g[d];
+    }
+}
+
+/* ------------------------------------------------------------------------- optimizer */
+
+enum { OPT_ROWWISE_ADAGRAD = 0, OPT_SGD = 1 };
+
+/* One optimizer step on each row at loc[u] from its summed gradient grad [U, D], in
+ * place, with the reference's operations in the reference's order (sparse/optim.py):
+ *   g = grad (+ wd * w)
+ *   rowwise_adagrad: mom = mom + sum_squares(g) / D; m = 1 / (sqrt(mom) + eps) * -lr;
+ *                    w = w + g * m
+ *   sgd:             w = w - g * lr
+ * sum_squares adds g*g over the columns zero-padded to a power of two, halving.
+ * set_update: also stamp each row's last-update time with `now`. Returns -1 on an
+ * unknown optimizer or a failed allocation, else 0. */
+int64_t apply_rows(const int64_t *tvd, const int64_t *loc, int64_t U, const float *grad, int64_t opt,
+                   float lr, float eps, float wd, int64_t set_update, int64_t now) {
+    Tiers tv = {tvd};
+    int64_t D = tv.d[16], P = 1;
+    while (P < D) P <<= 1;
+    float *g = (float *)malloc((size_t)(D + P) * sizeof(float));
+    if (!g || (opt != OPT_ROWWISE_ADAGRAD && opt != OPT_SGD)) {
+        free(g);
+        return -1;
+    }
+    float *sq = g + D;
+    for (int64_t u = 0; u < U; u++) {
+        if (u + 4 < U) __builtin_prefetch(row_ptr(tv, loc[u + 4]));
+        float *w = row_ptr(tv, loc[u]);
+        const float *gu = grad + u * D;
+        for (int64_t d = 0; d < D; d++) g[d] = wd != 0.0f ? gu[d] + wd * w[d] : gu[d];
+        if (opt == OPT_ROWWISE_ADAGRAD) {
+            for (int64_t d = 0; d < D; d++) sq[d] = g[d] * g[d];
+            for (int64_t d = D; d < P; d++) sq[d] = 0.0f;
+            for (int64_t h = P / 2; h >= 1; h /= 2)
+                for (int64_t d = 0; d < h; d++) sq[d] = sq[d] + sq[d + h];
+            float mom = w[D] + sq[0] / (float)D;
+            w[D] = mom;
+            float mult = (1.0f / (sqrtf(mom) + eps)) * -lr;
+            for (int64_t d = 0; d < D; d++) w[d] = w[d] + g[d] * mult;
+        } else {
+            for (int64_t d = 0; d < D; d++) w[d] = w[d] - g[d] * lr;
+        }
+        if (set_update) meta_ptr(tv, loc[u])[META_LAST_UPDATE] = now;
+    }
+    free(g);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------- policies */
+
+/* Up to k CLOCK victims of a one-slab memory tier: the hand sweeps the slots; a used slot
+ * not looked up by the current lookup (last access < step) with a nonzero count loses one,
+ * one at zero is a victim (its count becomes CHOSEN, so a later turn does not choose it
+ * again; the caller frees every victim). With counts capped at 1 this is CLOCK (recency);
+ * capped higher, generalized CLOCK (frequency). At most ref_max + 1 turns. */
+#define CHOSEN 255
+int64_t clock_victims(const int64_t *ids, const int64_t *meta, uint8_t *ref, int64_t cap, int64_t *hand,
+                      int64_t k, int64_t step, int64_t ref_max, int64_t *out) {
+    int64_t m = 0, h = *hand;
+    for (int64_t visits = 0; visits < (ref_max + 1) * cap && m < k; visits++) {
+        int64_t s = h;
+        h = (h + 1 == cap) ? 0 : h + 1;
+        if (ids[s] < 0 || ref[s] == CHOSEN || meta[s * NUM_META + META_LAST_ACCESS] >= step) continue;
+        if (ref[s]) {
+            ref[s]--;
+            continue;
+        }
+        ref[s] = CHOSEN;
+        out[m++] = s;
+    }
+    *hand = h;
+    return m;
+}
+
+/* The TTL sweep of one slab, resumable: from slot `start`, the slots of used rows whose
+ * last update is before expire_before and whose last access is before open_from, at most
+ * max_out of them; *next = where the sweep stops (slab_rows when done). */
+int64_t expired_slots(const int64_t *ids, const int64_t *meta, int64_t slab_rows, int64_t start,
+                      int64_t expire_before, int64_t open_from, int64_t *out, int64_t max_out, int64_t *next) {
+    int64_t m = 0, s = start;
+    for (; s < slab_rows && m < max_out; s++) {
+        const int64_t *r = meta + s * NUM_META;
+        if (ids[s] >= 0 && r[META_LAST_UPDATE] < expire_before && r[META_LAST_ACCESS] < open_from) out[m++] = s;
+    }
+    *next = s;
+    return m;
+}

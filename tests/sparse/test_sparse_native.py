@@ -1,0 +1,177 @@
+"""Native store kernels (csrc/store.c) against the PyTorch reference, bit for bit; the index's
+invariants and memory; CLOCK victims; a missing library is an error."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from genrec.sparse import SparseConfig, TableConfig, TieredEmbeddingCollection, native
+
+
+def _kjt(keys: list[str], seqs: list[list[int]]) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=torch.tensor([x for s in seqs for x in s], dtype=torch.int64),
+        lengths=torch.tensor([len(s) for s in seqs], dtype=torch.int64))
+
+
+def _batches(steps: int, seed: int, num_ids: int):
+    """Per step: history ids (Zipf-like, so with duplicates) and negatives, plus an event time."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.arange(1, num_ids + 1, dtype=torch.float64).pow(-1.1)
+    for step in range(steps):
+        hist = torch.multinomial(w, 48, replacement=True, generator=g).tolist()
+        neg = torch.randint(0, num_ids * 2, (16,), generator=g).tolist()
+        yield _kjt(["item"], [hist[:20], hist[20:]]), _kjt(["neg"], [neg]), 1000 + 7 * step
+
+
+def _train(tec, steps: int, seed: int, num_ids: int) -> list[float]:
+    losses = []
+    for hist, neg, ts in _batches(steps, seed, num_ids):
+        out = tec(hist, event_time=ts)["item"].values()
+        out_neg = tec(neg, event_time=ts)["neg"].values()
+        loss = out.sum() + out.square().sum() * 0.5 - (out_neg * 0.3).square().sum()
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+def _rows(tec) -> dict[int, torch.Tensor]:
+    ids, rows, meta = tec.stores["t"].all_rows()
+    return {i: (r, m) for i, r, m in zip(ids.tolist(), rows, meta)}
+
+
+def _check_index(store) -> None:
+    """Every row is indexed at its own slot, nothing else is, and absent ids are absent."""
+    view = store._tier_view()
+    assert len(store.index) == store.num_rows
+    for t, tier in enumerate(store.tiers):
+        slots, ids = tier.used_slots()
+        assert torch.equal(store.index.get(ids, view), (slots << 2) | t)
+    never = torch.arange(10**12, 10**12 + 500)
+    assert bool((store.index.get(never, view) == -1).all())
+
+
+TABLES = {
+    "lru_max_rows_ttl_admission": dict(device_rows=8, host_rows=16, max_rows=60, ttl_seconds=40,
+                                       admit_min_count=2, admit_probability=0.5),
+    "lfu_weight_decay": dict(device_rows=6, host_rows=10, cache_policy="lfu", weight_decay=0.01),
+    "sgd_unbounded": dict(device_rows=4, host_rows=4, optimizer="sgd", learning_rate=0.1),
+    "adam_default_tiers": dict(optimizer="adam", ttl_seconds=30, dim=50),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_native_kernels_give_the_reference_rows_bit_for_bit(name):
+    """Same stream through both kernel sets: the same losses, and the same rows, optimizer
+    state and metadata for the same ids, after evictions, SSD spills, TTL drops, max_rows
+    drops and admissions (placements in the caches may differ: CLOCK vs exact order)."""
+    spec = dict(TABLES[name])
+    dim = spec.pop("dim", 8)
+    table = TableConfig(name="t", embedding_dim=dim, feature_names=["item", "neg"], seed=3, **spec)
+    results = {}
+    for kernels in ("native", "reference"):
+        tec = TieredEmbeddingCollection(SparseConfig(tables=[table], ssd_slab_rows=8, kernels=kernels))
+        losses = _train(tec, steps=40, seed=1, num_ids=150)
+        results[kernels] = losses, _rows(tec), tec.stores["t"]
+    (loss_n, rows_n, store_n), (loss_r, rows_r, store_r) = results["native"], results["reference"]
+    assert loss_n == loss_r
+    assert sorted(rows_n) == sorted(rows_r)
+    for i in rows_r:
+        assert torch.equal(rows_n[i][0], rows_r[i][0]), f"row {i} differs"
+        assert torch.equal(rows_n[i][1], rows_r[i][1]), f"metadata of row {i} differs"
+    assert store_n.misses == store_r.misses
+    if spec.get("host_rows", 1 << 20) < 150:
+        assert store_n.tiers[2].num_used > 0, "the stream must spill to SSD"
+    pn, pr = store_n.pending.items(), store_r.pending.items()
+    assert sorted(zip(pn[0].tolist(), pn[1].tolist())) == sorted(zip(pr[0].tolist(), pr[1].tolist()))
+    _check_index(store_n)
+
+
+def test_native_one_rank_training_takes_the_fused_path():
+    """Once every row is resident, a training step goes through the one native call and
+    never through the general lookup."""
+    table = TableConfig(name="t", embedding_dim=4, feature_names=["item", "neg"], device_rows=0, host_rows=1000)
+    tec = TieredEmbeddingCollection(SparseConfig(tables=[table]))
+    store = tec.stores["t"]
+    _train(tec, steps=3, seed=0, num_ids=100)
+    tec(_kjt(["item"], [list(range(200))])).get("item").values().sum().backward()  # every id has a row now
+
+    def general(*args, **kwargs):
+        raise AssertionError("the general lookup ran")
+
+    store._lookup_moving = general
+    before = dict(_rows(tec))
+    _train(tec, steps=3, seed=5, num_ids=100)
+    assert any(not torch.equal(before[i][0], r) for i, (r, _) in _rows(tec).items())
+
+
+def test_native_index_stays_exact_and_small_as_it_grows():
+    table = TableConfig(name="t", embedding_dim=2, feature_names=["item"], device_rows=0, host_rows=1 << 18)
+    store = TieredEmbeddingCollection(SparseConfig(tables=[table])).stores["t"]
+    for start in range(0, 200_000, 20_000):
+        ids = torch.arange(start, start + 20_000) * 7919  # spread over the id space
+        store.lookup_train(ids, torch.ones_like(ids), None)
+    _check_index(store)
+    per_row = store.index.nbytes / len(store.index)
+    assert per_row <= 16, f"{per_row:.1f} bytes per row"
+    # A growth holds one segment twice, never the whole index.
+    assert store.index.peak_nbytes() <= store.index.nbytes * 1.05
+    # Removing rows keeps every other row findable (backward-shift deletion, no tombstones).
+    gone = torch.arange(0, 200_000, 3) * 7919
+    tier, slot = store._locate(gone)
+    store._remove(gone, tier, slot)
+    _check_index(store)
+    assert bool((store._locate(gone)[1] == -1).all())
+
+
+def _device_hits_after(policy: str, hot_first: int, hot_every_step: bool, steps: int) -> int:
+    """Tier of a `hot` id after a stream of one-off ids flows through an 8-row device tier."""
+    table = TableConfig(name="t", embedding_dim=2, feature_names=["item"], device_rows=8, host_rows=8,
+                        cache_policy=policy)
+    tec = TieredEmbeddingCollection(SparseConfig(tables=[table], ssd_slab_rows=8))
+    store = tec.stores["t"]
+    store.keep_host_hits = False  # as on CUDA: host hits move up, so the device tier evicts
+    hot = 7
+    tec(_kjt(["item"], [[hot] * hot_first])).get("item").values().sum().backward()
+    for step in range(steps):
+        ids = ([hot] if hot_every_step else []) + [1000 + 3 * step + k for k in range(3)]
+        tec(_kjt(["item"], [ids])).get("item").values().sum().backward()
+    _check_index(store)
+    return int(store._locate(torch.tensor([hot]))[0][0])
+
+
+def test_native_clock_keeps_recent_and_frequent_rows_on_the_device():
+    # lru (CLOCK): a row used by every step stays while 120 one-off ids pass through.
+    assert _device_hits_after("lru", 1, True, 40) == 0
+    # lfu (generalized CLOCK): a row seen 6 times survives a burst of 12 new ids without
+    # being used, where recency alone (lru) lets it go.
+    assert _device_hits_after("lfu", 6, False, 4) == 0
+    assert _device_hits_after("lru", 6, False, 4) != 0
+
+
+def test_missing_native_library_is_an_error_naming_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "__file__", str(tmp_path / "native.py"))
+    table = TableConfig(name="t", embedding_dim=2, feature_names=["item"])
+    with pytest.raises(native.NativeKernelError, match="not built.*pip install -e .*kernels"):
+        TieredEmbeddingCollection(SparseConfig(tables=[table]))
+    monkeypatch.undo()
+    ref = TieredEmbeddingCollection(SparseConfig(tables=[table], kernels="reference"))
+    assert not ref.stores["t"].native
+
+
+def test_unknown_kernels_value_names_the_key():
+    table = TableConfig(name="t", embedding_dim=2, feature_names=["item"])
+    with pytest.raises(ValueError, match="kernels"):
+        TieredEmbeddingCollection(SparseConfig(tables=[table], kernels="fast"))
+
+
+def test_reference_kernels_say_so(capfd, monkeypatch):
+    monkeypatch.setattr(native, "_reference_noted", False)
+    table = TableConfig(name="t", embedding_dim=2, feature_names=["item"])
+    TieredEmbeddingCollection(dataclasses.replace(SparseConfig(tables=[table]), kernels="reference"))
+    assert "kernels='reference'" in capfd.readouterr().err
