@@ -3,7 +3,14 @@ measured side by side in the same process (the machine is shared and noisy).
 
     hot_path_ratio         lookup + fused row-wise Adagrad of a batch whose rows all sit in
                            the host tier, rows/s, over plain index_select + index_add_ on a
-                           dense tensor of the same rows (target >= 0.5)
+                           dense tensor of the same rows; median of the per-repeat ratios
+                           over fresh Zipf(1.05) batches, `*_spread` = median/min/max/n
+                           (target >= 0.8)
+    hot_path_ratio_default_config   the same with TableConfig's default tiers, TTL on
+                           (target >= 0.6)
+    rows_per_s_fbgemm_cpu_tbe       fbgemm's CPU TBE, exact row-wise Adagrad, same ids
+    index_bytes_per_row    the id index's bytes per materialized row (target <= 16);
+                           index_peak_bytes_per_row: the most it held at once
     offload_ratio          training steps/s on a Zipf(1.05) id stream over a table 10x the
                            host cache (the rest on SSD) over the same steps all in memory
                            (target >= 0.75)
@@ -87,36 +94,109 @@ def _train_step(tec, ids: torch.Tensor) -> None:
     out.backward(torch.ones_like(out))
 
 
-def _best_time(fn, repeats: int) -> float:
+def _spread(values: list[float]) -> dict:
+    v = sorted(values)
+    return {"median": v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2,
+            "min": v[0], "max": v[-1], "n": len(v)}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _side_by_side(steps: dict, batches: list[torch.Tensor]) -> dict:
+    """Time each named step on every batch in turn (fresh ids per repeat, the same ids
+    for every side), after one warm-up round. Returns seconds per side and repeat."""
+    for fn in steps.values():
+        fn(batches[0])
     # Each ground floor (data/, sparse/, dense/) keeps its own timing loop: they import
-    # nothing from each other, and no shared place sits below them.
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    # nothing of each other, and no shared place sits below them.
+    out = {name: [] for name in steps}
+    for ids in batches[1:]:
+        for name, fn in steps.items():
+            out[name].append(_timed(lambda: fn(ids)))
+    return out
+
+
+def _fbgemm_tbe(num_rows: int, dim: int):
+    """fbgemm's CPU table-batched embedding, exact row-wise Adagrad, one row per id: the
+    same work as the store's hot path through the library's own kernels."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(num_rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01, eps=1e-8,
+        pooling_mode=PoolingMode.NONE)
+
+    def step(ids: torch.Tensor) -> None:
+        out = tbe(ids, torch.arange(ids.numel() + 1, dtype=torch.int64))
+        out.backward(torch.ones_like(out))
+
+    return step
 
 
 def bench_hot_path(num_rows: int, batch: int, dim: int, repeats: int, root: str) -> dict:
-    cfg = TableConfig(name="t", embedding_dim=dim, feature_names=["f"], device_rows=0, host_rows=num_rows)
-    tec = TieredEmbeddingCollection(SparseConfig(tables=[cfg], ssd_dir=root))
-    _materialize(tec, num_rows, 1 << 16)
-    assert tec.stores["t"].tiers[1].num_used == num_rows
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, num_rows, (batch,), generator=g)
+    """The store's training step on rows already materialized, against the raw ops of
+    the same work on a dense tensor, on fresh Zipf(1.05) ids every repeat:
+      hot_path_ratio                 host tier only, no TTL (the store's fastest config)
+      hot_path_ratio_default_config  TableConfig's default tiers (device_rows=65536 on
+                                     CPU, the rest host), TTL on, event time advancing
+    plus fbgemm's CPU TBE (exact row-wise Adagrad) on the same ids, as a named peer."""
+    sample = _zipf_sampler(num_rows, 1.05, seed=3)
+    batches = [sample(batch) for _ in range(repeats + 1)]
+    tables = {
+        "host": TableConfig(name="t", embedding_dim=dim, feature_names=["f"], device_rows=0, host_rows=num_rows),
+        "default": TableConfig(name="t", embedding_dim=dim, feature_names=["f"], ttl_seconds=86400),
+    }
+    tecs = {}
+    for name, cfg in tables.items():
+        os.makedirs(os.path.join(root, name), exist_ok=True)
+        tec = TieredEmbeddingCollection(SparseConfig(tables=[cfg], ssd_dir=os.path.join(root, name)))
+        _materialize(tec, num_rows, 1 << 16)
+        assert tec.stores["t"].tiers[2].num_used == 0, "the hot path bench must fit in memory"
+        tecs[name] = tec
     dense = torch.randn(num_rows, dim)
-    grad = torch.ones(batch, dim)
+    event_time = [0]
 
-    def baseline():
+    def baseline(ids):
+        # index_add_ without `alpha`: with it torch takes a per-row path, measured 3.7x
+        # slower on these ids, which would flatter the store.
         dense.index_select(0, ids)
-        dense.index_add_(0, ids, grad, alpha=-0.01)
+        dense.index_add_(0, ids, torch.ones(ids.numel(), dim))
 
-    t_base = _best_time(baseline, repeats)
-    t_store = _best_time(lambda: _train_step(tec, ids), repeats)
-    return {"hot_path_ratio": t_base / t_store, "hot_path_rows_per_s": batch / t_store,
-            "hot_path_baseline_rows_per_s": batch / t_base}
+    def default_step(ids):
+        event_time[0] += 10
+        tecs["default"].set_event_time(event_time[0])
+        _train_step(tecs["default"], ids)
+
+    steps = {"baseline": baseline, "host": lambda ids: _train_step(tecs["host"], ids), "default": default_step,
+             "fbgemm": _fbgemm_tbe(num_rows, dim)}
+    t = _side_by_side(steps, batches)
+    ratio = lambda side: _spread([b / s for b, s in zip(t["baseline"], t[side])])  # noqa: E731
+    rows_per_s = lambda side: _spread([batch / s for s in t[side]])  # noqa: E731
+    index = tecs["host"].stores["t"].index
+    idx_bytes = getattr(index, "nbytes", 0)
+    return {
+        "hot_path_ratio": ratio("host")["median"], "hot_path_ratio_spread": ratio("host"),
+        "hot_path_ratio_default_config": ratio("default")["median"],
+        "hot_path_ratio_default_config_spread": ratio("default"),
+        "hot_path_rows_per_s": rows_per_s("host")["median"], "hot_path_rows_per_s_spread": rows_per_s("host"),
+        "hot_path_baseline_rows_per_s": rows_per_s("baseline")["median"],
+        "rows_per_s_fbgemm_cpu_tbe": rows_per_s("fbgemm")["median"],
+        "rows_per_s_fbgemm_cpu_tbe_spread": rows_per_s("fbgemm"),
+        "fbgemm_cpu_tbe_ratio": ratio("fbgemm")["median"],
+        "index_bytes_per_row": idx_bytes / max(len(index), 1),
+        "index_peak_bytes_per_row": (index.peak_nbytes() if hasattr(index, "peak_nbytes") else idx_bytes) / max(len(index), 1),
+        "hot_path_batch": batch, "hot_path_table_rows": num_rows, "hot_path_repeats": repeats,
+        "kernels": tecs["host"].stores["t"].kernels,
+    }
 
 
 def bench_offload(num_rows: int, host_rows: int, batch: int, steps: int, root: str) -> dict:
@@ -196,7 +276,8 @@ def bench_scale(num_rows: int, host_rows: int, steps: int, batch: int, root: str
         "train_seconds": t_train,
         "hit_rate": {name: h / lookups for name, h in zip(("device", "host", "ssd"), store.hits)},
         "disk_bytes": _dir_bytes(root),
-        "index_bytes": store.index.capacity * 16,
+        "index_bytes": store.index.nbytes,
+        "index_bytes_per_row": store.index.nbytes / max(len(store.index), 1),
         **_rss_bytes(),
     }
 
@@ -218,7 +299,7 @@ def run(quick: bool) -> dict:
         t0 = time.perf_counter()
         _log("hot path")
         result.update(bench_hot_path(num_rows=500_000 if quick else 2_000_000, batch=16384, dim=64,
-                                     repeats=5 if quick else 20, root=root))
+                                     repeats=7 if quick else 21, root=root))
         _log(f"hot_path_ratio {result['hot_path_ratio']:.3f}")
         _log("offload")
         result.update(bench_offload(num_rows=100_000 if quick else 2_000_000, host_rows=10_000 if quick else 200_000,

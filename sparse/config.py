@@ -56,8 +56,10 @@ class TableConfig:
     """What unadmitted (or, in eval, unknown) ids read: zeros, or the id's would-be
     initial row. They never receive updates."""
     cache_policy: Literal["lru", "lfu"] = "lru"
-    """Which rows leave the device / host caches first (and are dropped under max_rows):
-    least recently used, or least frequently used (ties: least recent)."""
+    """Which rows are dropped first under max_rows: least recently used, or least
+    frequently used (ties: least recent, then lowest id). The device / host caches follow
+    it too: exactly with kernels="reference", by CLOCK (lru) or generalized CLOCK, a count
+    of up to 7 per row (lfu), with native kernels, which never scan a tier to choose."""
     ttl_seconds: int | None = None
     """Rows not updated for this many seconds of event time are dropped from every tier."""
     max_rows: int | None = None

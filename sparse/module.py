@@ -248,7 +248,8 @@ class TieredEmbeddingCollection(nn.Module):
         result: dict[str, JaggedTensor] = {}
         for out_ND, feats in zip(outs, layout):
             sizes = [int(jt.values().numel()) for _, jt in feats]
-            for (key, jt), part in zip(feats, out_ND.split(sizes)):
+            # One feature: the rows as they are (a split's backward would copy its gradient).
+            for (key, jt), part in zip(feats, out_ND.split(sizes) if len(feats) > 1 else [out_ND]):
                 result[key] = JaggedTensor(values=part, lengths=jt.lengths(), offsets=jt.offsets())
         return result
 

@@ -209,7 +209,10 @@ class NativeIndex:
 
     def insert(self, ids_N: torch.Tensor, loc_N: torch.Tensor, tiers: torch.Tensor) -> None:
         ids_N, loc_N = ids_N.contiguous(), loc_N.contiguous()
-        if _lib.ix_insert(self.handle, tiers.data_ptr(), ids_N.data_ptr(), loc_N.data_ptr(), ids_N.numel()):
+        r = _lib.ix_insert(self.handle, tiers.data_ptr(), ids_N.data_ptr(), loc_N.data_ptr(), ids_N.numel())
+        if r == -2:
+            raise ValueError("genrec.sparse: a tier slot past 2^40 cannot be indexed (shard the table over more ranks)")
+        if r:
             raise MemoryError(f"genrec.sparse: the native index cannot grow past {len(self)} rows")
 
     def remove(self, ids_N: torch.Tensor, tiers: torch.Tensor) -> None:

@@ -19,9 +19,10 @@ from typing import Literal
 from .config import SparseConfig
 from .optim import row_width
 
-# Per-row bookkeeping beside the row itself: slot id (8), metadata (24), and the id index
-# at load 1/4..1/2 (32-64 bytes).
-_OVERHEAD_BYTES = 8 + 24 + 64
+# Per-row bookkeeping beside the row itself: slot id (8), metadata (24), and the native id
+# index (8-byte entries at load 0.68-0.85: at most 12 bytes, csrc/store.c). The CLOCK byte
+# of the memory tiers is within the rounding.
+_OVERHEAD_BYTES = 8 + 24 + 12
 
 
 @dataclass

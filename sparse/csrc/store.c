@@ -71,22 +71,20 @@ static inline int64_t seg_home(uint64_t h, int64_t cap) {
     return (int64_t)(((unsigned __int128)(h << SEG_BITS) * (uint64_t)cap) >> 64);
 }
 
-static inline int64_t *id_ptr(Tiers tv, int64_t loc) {
-    int64_t t = loc & 3, slot = loc >> 2, per = tv.d[3 + t];
-    int64_t *const *slabs = (int64_t *const *)(intptr_t)tv.d[9 + t];
-    return slabs[slot / per] + slot % per;
-}
+/* Address of element `slot` (of `width` items) in a tier's slabs; memory tiers have one
+ * slab, so the division is skipped there. */
+#define SLAB_AT(type, field, width)                                                    \
+    int64_t t = loc & 3, slot = loc >> 2, per = tv.d[3 + t];                           \
+    type *const *slabs = (type *const *)(intptr_t)tv.d[field + t];                     \
+    return slot < per ? slabs[0] + slot * (width) : slabs[slot / per] + (slot % per) * (width)
 
-static inline float *row_ptr(Tiers tv, int64_t loc) {
-    int64_t t = loc & 3, slot = loc >> 2, per = tv.d[3 + t];
-    float *const *slabs = (float *const *)(intptr_t)tv.d[6 + t];
-    return slabs[slot / per] + (slot % per) * tv.d[15];
-}
+static inline int64_t *id_ptr(Tiers tv, int64_t loc) { SLAB_AT(int64_t, 9, 1); }
+static inline float *row_ptr(Tiers tv, int64_t loc) { SLAB_AT(float, 6, tv.d[15]); }
+static inline int64_t *meta_ptr(Tiers tv, int64_t loc) { SLAB_AT(int64_t, 12, NUM_META); }
 
-static inline int64_t *meta_ptr(Tiers tv, int64_t loc) {
-    int64_t t = loc & 3, slot = loc >> 2, per = tv.d[3 + t];
-    int64_t *const *slabs = (int64_t *const *)(intptr_t)tv.d[12 + t];
-    return slabs[slot / per] + (slot % per) * NUM_META;
+/* Prefetch `bytes` from p on (every cache line). */
+static inline void prefetch_span(const void *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o);
 }
 
 static inline uint64_t entry_loc(uint64_t e) { return (e & LOC_MASK) - 1; }
@@ -142,35 +140,69 @@ static inline int64_t seg_find(const Seg *s, Tiers tv, int64_t id, uint64_t h) {
     }
 }
 
-#define BLOCK 16
+#define AHEAD 16
 
-/* loc of each id, -1 where absent. Hashes a block of ids and prefetches their home
- * slots before probing any, so the cache misses of a block overlap. */
+#define CHUNK 256
+
+/* loc of each id, -1 where absent. Three passes over each chunk of ids, so that the
+ * dependent cache misses of one id (its index slot, then the id slab entry that confirms
+ * it) overlap with those of the chunk's other ids: hash and prefetch the home slots; take
+ * each id's first fingerprint match and prefetch its id slab entry; confirm (a rare
+ * fingerprint collision probes on the slow way). `out` holds the home position, then
+ * the candidate's position, between passes. */
 void ix_find(const Index *ix, const int64_t *tvd, const int64_t *ids, int64_t n, int64_t *out) {
     Tiers tv = {tvd};
-    uint64_t h[BLOCK];
-    for (int64_t b = 0; b < n; b += BLOCK) {
-        int64_t m = n - b < BLOCK ? n - b : BLOCK;
-        for (int64_t k = 0; k < m; k++) {
-            h[k] = mix64((uint64_t)ids[b + k]);
-            const Seg *s = &ix->seg[h[k] >> (64 - SEG_BITS)];
-            if (s->cap) __builtin_prefetch(&s->tab[seg_home(h[k], s->cap)]);
+    for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+        int64_t c1 = n - c0 < CHUNK ? n : c0 + CHUNK;
+        for (int64_t k = c0; k < c1; k++) {
+            uint64_t h = mix64((uint64_t)ids[k]);
+            const Seg *s = &ix->seg[h >> (64 - SEG_BITS)];
+            out[k] = s->cap ? seg_home(h, s->cap) : -1;
+            if (s->cap) __builtin_prefetch(&s->tab[out[k]]);
         }
-        for (int64_t k = 0; k < m; k++) {
-            const Seg *s = &ix->seg[h[k] >> (64 - SEG_BITS)];
-            int64_t i = seg_find(s, tv, ids[b + k], h[k]);
-            out[b + k] = i < 0 ? -1 : (int64_t)entry_loc(s->tab[i]);
+        for (int64_t k = c0; k < c1; k++) {
+            if (out[k] < 0) continue;
+            uint64_t h = mix64((uint64_t)ids[k]), fp = h & FP_MASK;
+            const Seg *s = &ix->seg[h >> (64 - SEG_BITS)];
+            int64_t i = out[k];
+            for (;;) {
+                uint64_t e = s->tab[i];
+                if (!e) {
+                    out[k] = -1;
+                    break;
+                }
+                if ((e >> LOC_BITS) == fp) {
+                    out[k] = i;
+                    __builtin_prefetch(id_ptr(tv, (int64_t)entry_loc(e)));
+                    break;
+                }
+                i = (i + 1 == s->cap) ? 0 : i + 1;
+            }
+        }
+        for (int64_t k = c0; k < c1; k++) {
+            if (out[k] < 0) continue;
+            uint64_t h = mix64((uint64_t)ids[k]);
+            const Seg *s = &ix->seg[h >> (64 - SEG_BITS)];
+            int64_t loc = (int64_t)entry_loc(s->tab[out[k]]);
+            if (*id_ptr(tv, loc) == ids[k]) {
+                out[k] = loc;
+                continue;
+            }
+            int64_t i = seg_find(s, tv, ids[k], h);
+            out[k] = i < 0 ? -1 : (int64_t)entry_loc(s->tab[i]);
         }
     }
 }
 
 /* Insert ids known to be absent; the id slab at each loc must already hold the id.
- * Returns 0, or -1 when memory ran out (the ids before the failing one are inserted). */
+ * Returns 0, -1 when memory ran out, -2 for a loc past LOC_BITS (the ids before the
+ * failing one are inserted). */
 int64_t ix_insert(Index *ix, const int64_t *tvd, const int64_t *ids, const int64_t *locs, int64_t n) {
     Tiers tv = {tvd};
     for (int64_t k = 0; k < n; k++) {
         uint64_t h = mix64((uint64_t)ids[k]);
         Seg *s = &ix->seg[h >> (64 - SEG_BITS)];
+        if ((uint64_t)locs[k] >= LOC_MASK) return -2;
         if ((s->live + 1) * 20 > s->cap * 17 && seg_grow(ix, s, tv)) return -1;
         seg_put(s, h, ((h & FP_MASK) << LOC_BITS) | ((uint64_t)locs[k] + 1));
         s->live++;
@@ -269,17 +301,21 @@ int64_t fwd_lookup(const Index *ix, const int64_t *tvd, const int64_t *ids, cons
     free(key);
     free(pos);
     ix_find(ix, tvd, uniq, U, loc);
+    int64_t D = tv.d[16];
     int ok = 1;
     for (int64_t u = 0; u < U && ok; u++) {
-        if (loc[u] < 0 || !((serve_mask >> (loc[u] & 3)) & 1)) {
-            ok = 0;
-            break;
+        if (loc[u] < 0 || !((serve_mask >> (loc[u] & 3)) & 1)) ok = 0;
+    }
+    if (ok && expire_before != INT64_MIN) {
+        for (int64_t u = 0; u < U && ok; u++) {
+            if (u + AHEAD < U) __builtin_prefetch(meta_ptr(tv, loc[u + AHEAD]));
+            const int64_t *m = meta_ptr(tv, loc[u]);
+            if (m[META_LAST_UPDATE] < expire_before && m[META_LAST_ACCESS] < open_from) ok = 0;
         }
-        const int64_t *m = meta_ptr(tv, loc[u]);
-        if (m[META_LAST_UPDATE] < expire_before && m[META_LAST_ACCESS] < open_from) ok = 0;
     }
     if (!ok || !out) return -(U + 1);
     for (int64_t u = 0; u < U; u++) {
+        if (u + AHEAD < U) __builtin_prefetch(meta_ptr(tv, loc[u + AHEAD]));
         int64_t *m = meta_ptr(tv, loc[u]);
         m[META_LAST_ACCESS] = step;
         m[META_FREQ] += cnt[u];
@@ -289,20 +325,30 @@ int64_t fwd_lookup(const Index *ix, const int64_t *tvd, const int64_t *ids, cons
             ref[loc[u] >> 2] = (uint8_t)(r > ref_max ? ref_max : r);
         }
     }
-    int64_t D = tv.d[16];
     for (int64_t i = 0; i < n; i++) {
-        if (i + 8 < n) __builtin_prefetch(row_ptr(tv, loc[inv[i + 8]]));
-        memcpy(out + i * D, row_ptr(tv, loc[inv[i]]), (size_t)D * sizeof(float));
+        if (i + AHEAD < n) prefetch_span(row_ptr(tv, loc[inv[i + AHEAD]]), D * (int64_t)sizeof(float));
+        const float *r = row_ptr(tv, loc[inv[i]]);
+        float *o = out + i * D;
+        for (int64_t d = 0; d < D; d++) o[d] = r[d]; /* inlined and vectorized, unlike memcpy of a runtime size */
     }
     return U;
 }
 
-/* acc [U, D] += grad [n, D] by inv, in the order of i (torch's index_add_ order). */
+/* acc [U, D] = sum of grad [n, D] rows by inv, in the order of i: the same sums as
+ * torch's index_add_ into zeros. inv must number unique ids by first occurrence (as
+ * fwd_lookup does), so a row's first gradient is copied (0 + g is g) and acc needs no
+ * zeroing. */
 void grad_accumulate(const int64_t *inv, int64_t n, const float *grad, int64_t D, float *acc) {
+    int64_t next = 0;
     for (int64_t i = 0; i < n; i++) {
         float *a = acc + inv[i] * D;
         const float *g = grad + i * D;
-        for (int64_t d = 0; d < D; d++) a[d] = a[d] + g[d];
+        if (inv[i] == next) {
+            next++;
+            for (int64_t d = 0; d < D; d++) a[d] = 0.0f + g[d];
+        } else {
+            for (int64_t d = 0; d < D; d++) a[d] = a[d] + g[d];
+        }
     }
 }
 
@@ -330,8 +376,12 @@ int64_t apply_rows(const int64_t *tvd, const int64_t *loc, int64_t U, const floa
         return -1;
     }
     float *sq = g + D;
+    int64_t W = tv.d[15];
     for (int64_t u = 0; u < U; u++) {
-        if (u + 4 < U) __builtin_prefetch(row_ptr(tv, loc[u + 4]));
+        if (u + AHEAD < U) {
+            prefetch_span(row_ptr(tv, loc[u + AHEAD]), W * (int64_t)sizeof(float));
+            if (set_update) __builtin_prefetch(meta_ptr(tv, loc[u + AHEAD]));
+        }
         float *w = row_ptr(tv, loc[u]);
         const float *gu = grad + u * D;
         for (int64_t d = 0; d < D; d++) g[d] = wd != 0.0f ? gu[d] + wd * w[d] : gu[d];
