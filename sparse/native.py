@@ -76,6 +76,7 @@ _SIGNATURES = {
     "apply_rows": ([_P, _P, _I, _P, _I, ctypes.c_float, ctypes.c_float, ctypes.c_float, _I, _I], _I),
     "clock_victims": ([_P, _P, _P, _I, _P, _I, _I, _I, _P], _I),
     "expired_slots": ([_P, _P, _I, _I, _I, _I, _P, _I, _P], _I),
+    "lowest_rows": ([_P, _I, _I, _I, _P, _P], _I),
 }
 
 
@@ -237,6 +238,16 @@ def clock_victims(tier, ref_S: torch.Tensor, hand: torch.Tensor, k: int, step: i
     m = _lib.clock_victims(tier.ids.slabs[0].data_ptr(), tier.meta.slabs[0].data_ptr(), ref_S.data_ptr(),
                            tier.capacity, hand.data_ptr(), k, step, ref_max, out.data_ptr())
     return out[:m]
+
+
+def lowest_rows(tiers: torch.Tensor, k: int, lfu: bool, open_from: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loc, ids) of the k rows of all tiers with the lowest (policy score, id), lowest
+    first, skipping rows looked up at or after open_from (see csrc/store.c)."""
+    loc_K, ids_K = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=torch.int64)
+    m = _lib.lowest_rows(tiers.data_ptr(), k, int(lfu), open_from, loc_K.data_ptr(), ids_K.data_ptr())
+    if m < 0:
+        raise MemoryError(f"genrec.sparse: cannot allocate the {k}-row heap of a max_rows drop")
+    return loc_K[:m], ids_K[:m]
 
 
 def expired_slots(tier, expire_before: int, open_from: int, chunk: int = 1 << 16):

@@ -274,6 +274,14 @@ class TableStore:
         cap = self.cfg.max_rows
         if cap is None or self.num_rows <= cap:
             return
+        # Drop a little below the cap (1/64 of it) so that a full table does not rescan
+        # every tier on every step.
+        excess = self.num_rows - cap + cap // 64
+        if self.native:  # one scan with a heap of `excess` rows, no table-sized temporaries
+            open_from = self.window_start if not self.step_done else 1 << 62
+            loc_K, ids_K = native.lowest_rows(self._tier_view(), excess, self.cfg.cache_policy == "lfu", open_from)
+            self._remove(ids_K, loc_K & 3, loc_K >> 2)
+            return
         parts = [(t, *tier.used_slots()) for t, tier in enumerate(self.tiers)]
         tier_N = torch.cat([torch.full_like(s, t) for t, s, _ in parts])
         slot_N = torch.cat([s for _, s, _ in parts])
@@ -282,9 +290,6 @@ class TableStore:
         # Rows of the open step stay even past the cap: dropping one before its backward
         # would lose its gradient. The next step's lookups bring the table back under it.
         cand_M = (~self._in_open_step(meta_N3)).nonzero().squeeze(1)
-        # Drop a little below the cap (1/64 of it) so that a full table does not rescan
-        # every tier on every step.
-        excess = self.num_rows - cap + cap // 64
         drop = cand_M[lowest_k(self._score(meta_N3[cand_M]), ids_N[cand_M], excess)]
         self._remove(ids_N[drop], tier_N[drop], slot_N[drop])
 

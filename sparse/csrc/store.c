@@ -442,3 +442,74 @@ int64_t expired_slots(const int64_t *ids, const int64_t *meta, int64_t slab_rows
     *next = s;
     return m;
 }
+
+/* ------------------------------------------------------------------------- max_rows */
+
+typedef struct {
+    int64_t score, id, loc;
+} Cand;
+
+static inline int cand_less(const Cand *a, const Cand *b) {
+    return a->score < b->score || (a->score == b->score && a->id < b->id);
+}
+
+static void heap_sift_down(Cand *h, int64_t n, int64_t i) { /* a max-heap on (score, id) */
+    for (;;) {
+        int64_t l = 2 * i + 1, r = l + 1, m = i;
+        if (l < n && cand_less(&h[m], &h[l])) m = l;
+        if (r < n && cand_less(&h[m], &h[r])) m = r;
+        if (m == i) return;
+        Cand t = h[i];
+        h[i] = h[m];
+        h[m] = t;
+        i = m;
+    }
+}
+
+static int cand_cmp(const void *a, const void *b) {
+    return cand_less((const Cand *)a, (const Cand *)b) ? -1 : cand_less((const Cand *)b, (const Cand *)a) ? 1 : 0;
+}
+
+/* The k rows of every tier with the lowest (score, id), lowest first, skipping rows looked
+ * up at or after open_from (the open step's): score = last access (lfu = 0), or count *
+ * 2^31 + last access (lfu = 1), as the reference's _score. One scan of the tiers' id and
+ * metadata slabs with a k-entry heap: no temporary the size of the table. out_loc /
+ * out_ids get the rows; returns how many (fewer than k when fewer rows qualify). */
+int64_t lowest_rows(const int64_t *tvd, int64_t k, int64_t lfu, int64_t open_from, int64_t *out_loc,
+                    int64_t *out_ids) {
+    Tiers tv = {tvd};
+    if (k <= 0) return 0;
+    Cand *h = (Cand *)malloc((size_t)k * sizeof(Cand));
+    if (!h) return -1;
+    int64_t n = 0;
+    for (int64_t t = 0; t < 3; t++) {
+        int64_t per = tv.d[3 + t];
+        int64_t *const *ids = (int64_t *const *)(intptr_t)tv.d[9 + t];
+        int64_t *const *meta = (int64_t *const *)(intptr_t)tv.d[12 + t];
+        for (int64_t sl = 0; sl < tv.d[t]; sl++) {
+            const int64_t *is = ids[sl], *ms = meta[sl];
+            for (int64_t i = 0; i < per; i++) {
+                if (is[i] < 0) continue;
+                const int64_t *m = ms + i * NUM_META;
+                if (m[META_LAST_ACCESS] >= open_from) continue;
+                Cand c = {lfu ? m[META_FREQ] * (1LL << 31) + m[META_LAST_ACCESS] : m[META_LAST_ACCESS], is[i],
+                          ((sl * per + i) << 2) | t};
+                if (n < k) {
+                    h[n++] = c;
+                    if (n == k)
+                        for (int64_t j = k / 2; j >= 0; j--) heap_sift_down(h, n, j);
+                } else if (cand_less(&c, &h[0])) {
+                    h[0] = c;
+                    heap_sift_down(h, n, 0);
+                }
+            }
+        }
+    }
+    qsort(h, (size_t)n, sizeof(Cand), cand_cmp);
+    for (int64_t j = 0; j < n; j++) {
+        out_loc[j] = h[j].loc;
+        out_ids[j] = h[j].id;
+    }
+    free(h);
+    return n;
+}

@@ -58,7 +58,8 @@ def _check_index(store) -> None:
 TABLES = {
     "lru_max_rows_ttl_admission": dict(device_rows=8, host_rows=16, max_rows=60, ttl_seconds=40,
                                        admit_min_count=2, admit_probability=0.5),
-    "lfu_weight_decay": dict(device_rows=6, host_rows=10, cache_policy="lfu", weight_decay=0.01),
+    "lfu_weight_decay_max_rows": dict(device_rows=6, host_rows=10, cache_policy="lfu", weight_decay=0.01,
+                                      max_rows=50),
     "sgd_unbounded": dict(device_rows=4, host_rows=4, optimizer="sgd", learning_rate=0.1),
     "adam_default_tiers": dict(optimizer="adam", ttl_seconds=30, dim=50),
 }
@@ -84,6 +85,8 @@ def test_native_kernels_give_the_reference_rows_bit_for_bit(name):
         assert torch.equal(rows_n[i][0], rows_r[i][0]), f"row {i} differs"
         assert torch.equal(rows_n[i][1], rows_r[i][1]), f"metadata of row {i} differs"
     assert store_n.misses == store_r.misses
+    if "max_rows" in spec or "ttl_seconds" in spec:
+        assert store_n.misses > store_n.num_rows, "the stream must drop rows (and bring some back)"
     if spec.get("host_rows", 1 << 20) < 150:
         assert store_n.tiers[2].num_used > 0, "the stream must spill to SSD"
     pn, pr = store_n.pending.items(), store_r.pending.items()
