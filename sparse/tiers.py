@@ -132,7 +132,10 @@ class Tier:
         self.meta = array("meta", NUM_META, torch.int64, cpu, 0)
         self.capacity = capacity
         self.layout = new_layout()  # changes whenever a slab is added or dropped (native.TierView)
-        self.free_F = torch.empty(0, dtype=torch.int64)
+        # Free slots: a stack popped from the end, in a buffer that grows by doubling, so
+        # freeing k slots costs O(k), not a copy of every free slot.
+        self._free = torch.empty(0, dtype=torch.int64)
+        self._num_free = 0
         if capacity != 0:
             self._grow()
         self.num_used = 0
@@ -143,23 +146,29 @@ class Tier:
         self.ids.add_slab()
         self.meta.add_slab()
         self.layout = new_layout()
-        # Pop order: lowest slot first (free_F is a stack popped from the end).
+        # Pop order: slots freed earlier first, then the new slab's, lowest slot first.
         new_F = torch.arange(self.rows.num_rows - 1, base - 1, -1, dtype=torch.int64)
-        self.free_F = torch.cat([new_F, self.free_F])
+        self._free = torch.cat([new_F, self.free_F])
+        self._num_free = int(self._free.numel())
 
     @property
     def num_slots(self) -> int:
         return self.rows.num_rows
 
+    @property
+    def free_F(self) -> torch.Tensor:
+        """The free slots, bottom of the stack first (a view: copy before freeing more)."""
+        return self._free[: self._num_free]
+
     def num_free(self) -> int:
-        return int(self.free_F.numel()) if not self.growable else 1 << 62
+        return self._num_free if not self.growable else 1 << 62
 
     def alloc(self, n: int) -> torch.Tensor:
-        while self.growable and self.free_F.numel() < n:
+        while self.growable and self._num_free < n:
             self._grow()
-        assert self.free_F.numel() >= n, f"{self.name}: alloc past capacity"
-        slots = self.free_F[self.free_F.numel() - n :].flip(0)
-        self.free_F = self.free_F[: self.free_F.numel() - n]
+        assert self._num_free >= n, f"{self.name}: alloc past capacity"
+        slots = self._free[self._num_free - n : self._num_free].flip(0)  # a copy
+        self._num_free -= n
         self.num_used += n
         return slots
 
@@ -167,8 +176,14 @@ class Tier:
         if slots_N.numel() == 0:
             return
         self.ids.scatter(slots_N, torch.full((slots_N.numel(), 1), -1, dtype=torch.int64))
-        self.free_F = torch.cat([self.free_F, slots_N])
-        self.num_used -= int(slots_N.numel())
+        n, top = int(slots_N.numel()), self._num_free
+        if top + n > self._free.numel():
+            grown = torch.empty(max(top + n, 2 * self._free.numel()), dtype=torch.int64)
+            grown[:top] = self._free[:top]
+            self._free = grown
+        self._free[top : top + n] = slots_N
+        self._num_free = top + n
+        self.num_used -= n
 
     def write(self, slots_N, ids_N, rows_NW, meta_N3) -> None:
         self.rows.scatter(slots_N, rows_NW)
@@ -191,5 +206,6 @@ class Tier:
         for array in (self.rows, self.ids, self.meta):
             array.destroy()
         self.layout = new_layout()
-        self.free_F = torch.empty(0, dtype=torch.int64)
+        self._free = torch.empty(0, dtype=torch.int64)
+        self._num_free = 0
         self.num_used = 0
