@@ -185,8 +185,21 @@ class TieredEmbeddingCollection(nn.Module):
         self.event_time = int(ts)
 
     # ------------------------------------------------------------------ input handling
+    @staticmethod
+    def _split_keys(kjt: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        """kjt.to_dict() for a KJT of one stride, as views of its values and lengths (the
+        general to_dict splits and copies; it costs more than a resident lookup)."""
+        if kjt.variable_stride_per_key():
+            return kjt.to_dict()
+        values, lengths, stride = kjt.values(), kjt.lengths(), kjt.stride()
+        out, start = {}, 0
+        for k, (key, n) in enumerate(zip(kjt.keys(), kjt.length_per_key())):
+            out[key] = JaggedTensor(values=values[start : start + n], lengths=lengths[k * stride : (k + 1) * stride])
+            start += n
+        return out
+
     def _ids_per_table(self, kjt: KeyedJaggedTensor):
-        jts = kjt.to_dict()
+        jts = self._split_keys(kjt)
         per_table: dict[str, list[tuple[str, JaggedTensor]]] = {}
         for key, jt in jts.items():
             if key not in self.feature_to_table:
@@ -196,7 +209,7 @@ class TieredEmbeddingCollection(nn.Module):
             if ids.numel():
                 if ids.dtype not in (torch.int64, torch.int32):
                     raise ValueError(f"feature {key!r} (table {name!r}): ids must be int64, got {ids.dtype}")
-                lo, hi = int(ids.min()), int(ids.max())
+                lo, hi = (int(x) for x in torch.aminmax(ids))
                 if lo < 0:
                     raise ValueError(f"feature {key!r} (table {name!r}): negative id {lo}")
                 bound = self.tables[name].num_embeddings
@@ -215,7 +228,8 @@ class TieredEmbeddingCollection(nn.Module):
         calls, values, layout = [], [], []
         for name, feats in self._ids_per_table(kjt):
             store = self.stores[name]
-            ids_N = torch.cat([jt.values() for _, jt in feats]).to(torch.int64).cpu()
+            parts = [jt.values() for _, jt in feats]
+            ids_N = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(torch.int64).cpu()
             if train and self.world_size == 1 and store.native_rows:
                 vals_N, ctx = store.train_forward(ids_N, now)
                 calls.append(_LocalCall(store, ctx))
@@ -250,7 +264,7 @@ class TieredEmbeddingCollection(nn.Module):
             sizes = [int(jt.values().numel()) for _, jt in feats]
             # One feature: the rows as they are (a split's backward would copy its gradient).
             for (key, jt), part in zip(feats, out_ND.split(sizes) if len(feats) > 1 else [out_ND]):
-                result[key] = JaggedTensor(values=part, lengths=jt.lengths(), offsets=jt.offsets())
+                result[key] = JaggedTensor(values=part, lengths=jt.lengths())
         return result
 
     def prefetch(self, kjt: KeyedJaggedTensor) -> None:

@@ -19,6 +19,7 @@ metadata (int64 [3]: last access step, access count, last update event time).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 
@@ -31,6 +32,28 @@ NUM_META = 3
 # Every file a store names as its slab: <prefix>.<rows|ids|meta>.<5 digits>.slab, with a
 # prefix "tier" (older runs) or "tier.g<generation>" (TableStore: one per snapshot load).
 SLAB_FILE = re.compile(r"tier(\.g\d+)?\.(rows|ids|meta)\.\d{5}\.slab")
+
+
+_HUGE_PAGE = 1 << 21
+_MADV_HUGEPAGE = 14
+_libc = None
+
+
+def _advise_huge_pages(t: torch.Tensor) -> None:
+    """Ask Linux to back a large CPU tensor with transparent huge pages (before it is first
+    touched). A tier's slots are read at random, so with 4 KB pages nearly every row costs a
+    TLB miss; where THP runs in "madvise" mode (a common default) nothing else turns them
+    on. A no-op where madvise or THP is unavailable."""
+    global _libc
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or nbytes < 2 * _HUGE_PAGE or not os.path.exists("/sys/kernel/mm/transparent_hugepage"):
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+    end = (t.data_ptr() + nbytes) & ~(_HUGE_PAGE - 1)
+    _libc.madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
 
 
 def remove_slab_files(directory: str) -> None:
@@ -53,7 +76,9 @@ class _SlabArray:
 
     def add_slab(self) -> None:
         if self.path_prefix is None:
-            slab = torch.full((self.slab_rows, self.width), self.fill, dtype=self.dtype, device=self.device)
+            slab = torch.empty((self.slab_rows, self.width), dtype=self.dtype, device=self.device)
+            _advise_huge_pages(slab)
+            slab.fill_(self.fill)
         else:
             path = self._path(len(self.slabs))
             if os.path.exists(path):
