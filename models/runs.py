@@ -5,6 +5,7 @@
 
 Layout of a run directory (world_size 2), written by `models/train/checkpoint.py`:
 
+    run/run.json                       {"format": "genrec-train-run/1"}: a genrec training run
     run/config.json                    the job config in effect
     run/best.json                      the best-validation checkpoint: step, metric, value
     run/checkpoints/step-00000123/
@@ -40,6 +41,9 @@ from genrec.models.ranks import single_process
 
 CONFIG_FILE = "config.json"
 BEST_FILE = "best.json"
+RUN_MANIFEST = "run.json"
+RUN_FORMAT = "genrec-train-run/1"
+"""run.json says "this folder is a genrec training run" (what `genrec train --fresh` may clear)."""
 CHECKPOINTS = "checkpoints"
 MARKER = "COMPLETE"
 DENSE_FILE = "dense.pt"

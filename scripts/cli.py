@@ -46,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model (torchrun for several ranks)")
     _add_config_args(p, required=True)
-    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint (required to exist)")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint (required to exist)")
+    start.add_argument("--fresh", action="store_true", help="start over: clear the previous run in train.out_dir "
+                                                            "(only a genrec training run)")
 
     p = sub.add_parser("export", help="checkpoint -> serving artifact")
     p.add_argument("--checkpoint", required=True)

@@ -58,14 +58,18 @@ def prepare(args: argparse.Namespace) -> int:
 def train(args: argparse.Namespace) -> int:
     from genrec.models.config import JobConfig
     from genrec.models.config_loader import load_config
+    from genrec.models.train.checkpoint import CheckpointWriteError
     from genrec.models.train.trainer import StoppedBySignal, run_training
 
     cfg = load_config(JobConfig, args.config, args.overrides)
     try:
-        run_training(cfg, resume=args.resume)
+        run_training(cfg, resume=args.resume, fresh=args.fresh)
     except StoppedBySignal as e:
         print(f"genrec train: {e}", file=sys.stderr)
         return e.exit_code
+    except CheckpointWriteError as e:  # e.g. a full disk: one clear line, not a traceback
+        print(f"genrec train: error: {e.strerror}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -22,10 +22,12 @@ row's last event is the held-out target, everything before it the user's history
   tail by `popularity_buckets`; items outside the corpus are tail), and each column of
   `slice_columns` (a sparse feature such as category_id, the value on the target event).
 - Baselines in the same table: most-popular items (the prepared data's train counts) for
-  retrieval and, through its popularity order, ranking AUC / GAUC (its log loss and
-  calibration mean nothing). `compare` evaluates a second checkpoint on the same rows in
-  the same order and adds a paired bootstrap of the differences.
-- Bootstrap CIs (users resampled) of the headline figures, deterministic for `seed`.
+  retrieval and, through its popularity order, ranking AUC / GAUC (its log loss, NE and
+  calibration would mean nothing, so the report leaves them out, and their comparisons
+  too). `compare` evaluates a second checkpoint on the same rows in the same order and adds
+  a paired bootstrap of the differences.
+- Bootstrap CIs (users resampled) of the headline figures, and of HR@10 / NDCG@10 in every
+  retrieval slice (`slices.retrieval.<column>.<value>.ci.<metric>`), deterministic for `seed`.
 
 Memory: one batch of rows at a time plus, per model, one rank per user and one
 (user, probability, label) per ranking candidate.
@@ -58,6 +60,7 @@ from genrec.data.prepare import load_manifest
 from genrec.models.evaluation.metrics import (
     RankingMetrics,
     RetrievalMetrics,
+    bootstrap_ci,
     compare_models,
     headline_cis,
 )
@@ -85,6 +88,11 @@ POPULARITY = "popularity"
 """Name of the most-popular baseline in the report."""
 DEFAULT_SLICE_COLUMN = "category_id"
 """Sliced by default when the data has it."""
+SLICE_CI_METRICS = ("hr@10", "ndcg@10")
+"""Retrieval figures with a bootstrap CI in every slice (the slice plots' error bars)."""
+NOT_FOR_ORDER_ONLY = ("logloss", "ne", "calibration", "mean_pred", "reliability")
+"""Ranking figures left out for the popularity baseline: its scores are an order, not
+probabilities, so only its AUC / GAUC mean something."""
 TS = "ts"
 """Key of the timestamps in the jagged event dicts below (never a feature name: prepare
 reserves it)."""
@@ -313,12 +321,30 @@ def _new_accumulators(tasks: list[str], slice_columns: dict[str, list[str] | Non
 
 
 def _section(retrieval: RetrievalMetrics, retrieval_slices: SlicedMetrics, ranking: RankingMetrics | None,
-             ranking_slices: SlicedMetrics | None) -> dict[str, Any]:
+             ranking_slices: SlicedMetrics | None, *, num_resamples: int, seed: int) -> dict[str, Any]:
     out: dict[str, Any] = {"retrieval": retrieval.compute(), "slices": {"retrieval": retrieval_slices.compute()}}
+    # Each retrieval slice carries bootstrap CIs of the figures its plot shows (error bars).
+    for column, values in out["slices"]["retrieval"].items():
+        for value, figures in values.items():
+            per_user = retrieval_slices.accumulator(column, value).per_user()
+            figures["ci"] = {m: bootstrap_ci(per_user[m], None, num_resamples, seed=seed) for m in SLICE_CI_METRICS}
     if ranking is not None:
         out["ranking"] = ranking.compute()
         out["slices"]["ranking"] = ranking_slices.compute()
     return out
+
+
+def _order_only(section: dict[str, Any]) -> dict[str, Any]:
+    """The popularity baseline's section without the ranking figures that read its scores as
+    probabilities (they are a popularity order): only AUC / GAUC and counts stay."""
+    def strip(per_task: dict[str, Any]) -> dict[str, Any]:
+        return {task: {k: v for k, v in m.items() if k not in NOT_FOR_ORDER_ONLY} for task, m in per_task.items()}
+
+    if "ranking" in section:
+        section["ranking"] = strip(section["ranking"])
+        section["slices"]["ranking"] = {column: {value: strip(m) for value, m in values.items()}
+                                        for column, values in section["slices"]["ranking"].items()}
+    return section
 
 
 def _read_item_counts(data_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -471,15 +497,17 @@ def run_evaluation(
     bar.close()
 
     main = models[0]
-    report: dict[str, Any] = {"name": main.name,
-                              **_section(main.retrieval, main.retrieval_slices, main.ranking, main.ranking_slices)}
+    boot = {"num_resamples": num_resamples, "seed": seed}
+    report: dict[str, Any] = {"name": main.name, **_section(main.retrieval, main.retrieval_slices, main.ranking,
+                                                            main.ranking_slices, **boot)}
     report["ci"] = headline_cis(main.retrieval, main.ranking, num_resamples=num_resamples, seed=seed)
-    report["baselines"] = {POPULARITY: _section(*pop_acc)}
-    report["comparisons"] = {POPULARITY: compare_models(main.retrieval, pop_acc[0], main.ranking, pop_acc[2],
-                                                        num_resamples=num_resamples, seed=seed)}
+    report["baselines"] = {POPULARITY: _order_only(_section(*pop_acc, **boot))}
+    vs_popularity = compare_models(main.retrieval, pop_acc[0], main.ranking, pop_acc[2], **boot)
+    report["comparisons"] = {POPULARITY: {k: v for k, v in vs_popularity.items()
+                                          if k.rsplit(".", 1)[-1] not in NOT_FOR_ORDER_ONLY}}
     for other in models[1:]:
         report["baselines"][other.name] = _section(other.retrieval, other.retrieval_slices, other.ranking,
-                                                   other.ranking_slices)
+                                                   other.ranking_slices, **boot)
         report["comparisons"][other.name] = compare_models(main.retrieval, other.retrieval, main.ranking,
                                                            other.ranking, num_resamples=num_resamples, seed=seed)
     report["config"] = {

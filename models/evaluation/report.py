@@ -6,7 +6,8 @@ The input is a nested dict, mostly the `compute()` outputs of `genrec.models.eva
       "name": "hstu-ml100k",                                   # optional, shown in report.md
       "retrieval": {"count": 943, "hr@10": 0.21, "ndcg@10": 0.11, ..., "mrr": 0.09},
       "ranking": {"click": {"auc": 0.71, "gauc": 0.66, "ne": 0.93, "reliability": [...], ...}},
-      "slices": {"retrieval": {"history_length": {"0-4": {"count": 12, "hr@10": ...}, ...},
+      "slices": {"retrieval": {"history_length": {"0-4": {"count": 12, "hr@10": ...,
+                                                          "ci": {"hr@10": {"low": ..., "high": ...}}}, ...},
                                "item_popularity": {"head": {...}, "torso": {...}, "tail": {...}}},
                  "ranking": {"user_type": {"new": {"click": {...}}, "returning": {...}}}},
       "ci": {"retrieval.hr@10": {"estimate": 0.21, "low": 0.19, "high": 0.23, ...}},
@@ -22,6 +23,10 @@ lists by index (`retrieval.hr@10`, `ranking.click.auc`, `ranking.click.reliabili
 `slices.retrieval.history_length.5-19.hr@10`, `baselines.popularity.retrieval.mrr`,
 `ci.retrieval.hr@10.low`), next to the three run-description keys `config`,
 `data_manifest_checksums` and `versions`, which stay nested. Undefined figures are null.
+
+report.md shows a p-value at the bootstrap's floor (no resample as extreme as the observed
+difference) as `< 1/num_resamples` (`< 0.001` for 1,000 resamples). Slice plots draw a
+slice's `ci` as error bars and leave empty buckets as gaps.
 """
 
 from __future__ import annotations
@@ -118,6 +123,16 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _fmt_p(p_value: float | None, num_resamples: int | None) -> str:
+    """A bootstrap p-value; at its floor (no resample as extreme as the observed difference:
+    1 / (num_resamples + 1)) it reads `< 1/num_resamples`, e.g. `< 0.001` for 1,000."""
+    if p_value is None:
+        return "—"
+    if num_resamples and p_value <= 1.0 / (num_resamples + 1) * (1 + 1e-9):
+        return f"< {1.0 / num_resamples:.3g}"
+    return f"{p_value:.3f}" if p_value >= 1e-3 else f"{p_value:.1e}"
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(_fmt(v) if not isinstance(v, str) else v for v in row) + " |" for row in rows]
@@ -151,8 +166,8 @@ def _markdown(report: Mapping[str, Any], plot_files: Sequence[str]) -> str:
 
     for baseline, comparison in report.get("comparisons", {}).items():
         lines += [f"## {name} minus {baseline} (paired bootstrap over users)", ""]
-        rows = [[key, c.get("diff"), f"[{_fmt(c.get('low'))}, {_fmt(c.get('high'))}]", c.get("p_value")]
-                for key, c in comparison.items()]
+        rows = [[key, c.get("diff"), f"[{_fmt(c.get('low'))}, {_fmt(c.get('high'))}]",
+                 _fmt_p(c.get("p_value"), c.get("num_resamples"))] for key, c in comparison.items()]
         lines += _table(["metric", "difference", "CI", "p-value"], rows)
 
     for model_name, model_report in _models(report):
@@ -175,7 +190,8 @@ def _slice_tables(model_name: str, section: str, columns: Mapping[str, Any]) -> 
     lines: list[str] = []
     for column, values in columns.items():
         lines += [f"## Slices ({model_name}): {section} by {column}", ""]
-        flat = {value: {k: v for k, v in flatten(m).items() if not any(s in k for s in _SLICE_TABLE_SKIP)}
+        flat = {value: {k: v for k, v in flatten(m).items()
+                        if not k.startswith("ci.") and not any(s in k for s in _SLICE_TABLE_SKIP)}
                 for value, m in values.items()}
         keys: list[str] = []
         for m in flat.values():
@@ -204,7 +220,31 @@ def _slice_metric(values: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _plot_slice(path: Path, report: Mapping[str, Any], column: str) -> None:
+def _slice_series(report: Mapping[str, Any], section: str, column: str, labels: list[str], metric: str,
+                  count_key: str):
+    """(model name, values, (errors below, errors above)) per model that has this slice; an
+    empty bucket (count 0) or an undefined figure is NaN, a bucket without a CI has no bar."""
+    out = []
+    for name, m in _models(report):
+        vals = m.get("slices", {}).get(section, {}).get(column)
+        if not vals:
+            continue
+        ys, below, above = [], [], []
+        for label in labels:
+            flat = flatten(vals.get(label, {}))
+            y = None if flat.get(count_key) == 0 else flat.get(metric)
+            low, high = flat.get(f"ci.{metric}.low"), flat.get(f"ci.{metric}.high")
+            ys.append(math.nan if y is None else y)
+            have_ci = y is not None and low is not None and high is not None
+            below.append(max(0.0, y - low) if have_ci else math.nan)
+            above.append(max(0.0, high - y) if have_ci else math.nan)
+        out.append((name, ys, (below, above)))
+    return out
+
+
+def slice_figure(report: Mapping[str, Any], column: str):
+    """The bar chart of one slice column: the slice metric per bucket and model, with the
+    bootstrap CI as error bars; empty buckets are gaps (NaN), never bars of height 0."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -219,23 +259,28 @@ def _plot_slice(path: Path, report: Mapping[str, Any], column: str) -> None:
     fig = Figure(figsize=(max(5.0, 1.1 * len(labels) + 2), 3.6))
     FigureCanvasAgg(fig)  # Agg: files only, no display and no pyplot global state
     ax = fig.add_subplot()
-    series = [(n, m.get("slices", {}).get(section, {}).get(column)) for n, m in _models(report)]
-    series = [(n, v) for n, v in series if v]
-    width = 0.8 / len(series)
-    for i, (name, vals) in enumerate(series):
-        ys = [flatten(vals.get(label, {})).get(metric) for label in labels]
-        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))]
-        ax.bar(xs, [math.nan if y is None else y for y in ys], width=width, label=name)
     # Retrieval slices carry "count"; ranking slices carry one per task ("click.count").
     count_key = "count" if "." not in metric else f"{metric.split('.')[0]}.count"
+    series = _slice_series(report, section, column, labels, metric, count_key)
+    width = 0.8 / len(series)
+    for i, (name, ys, errors) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))]
+        has_ci = any(not math.isnan(e) for e in errors[0])
+        ax.bar(xs, ys, width=width, label=name, yerr=[errors[0], errors[1]] if has_ci else None, capsize=3)
     counts = [flatten(values[label]).get(count_key) for label in labels]
     ax.set_xticks(range(len(labels)), [f"{label}\n(n={c})" for label, c in zip(labels, counts)])
     ax.set_xlabel(column)
     ax.set_ylabel(metric or "")
-    ax.set_title(f"{section} {metric} by {column}")
+    confidence = next((c for c in (flatten(v).get(f"ci.{metric}.confidence") for v in values.values()) if c), None)
+    bars = f" (bars: {round(100 * confidence)}% CI)" if confidence else ""
+    ax.set_title(f"{section} {metric} by {column}{bars}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    return fig
+
+
+def _plot_slice(path: Path, report: Mapping[str, Any], column: str) -> None:
+    slice_figure(report, column).savefig(path, dpi=100)
 
 
 def _plot_calibration(path: Path, report: Mapping[str, Any]) -> None:

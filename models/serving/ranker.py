@@ -24,7 +24,8 @@ CPU); int8 stays within 0.01 absolute per probability (measured <= 3e-3; ranking
 ~2e-4 and retrieval NDCG@N vs fp32 ~0.99 in `genrec bench serve`); fp16 within 1e-3.
 
 History rules (documented to clients): events may arrive in any order; they are sorted by
-timestamp (stable), and a history longer than `max_history` keeps its most recent events.
+timestamp (stable), and a history longer than `max_history` keeps its most recent events
+(`exclude_seen` filters the items of all of it, as `genrec eval` filters every seen item).
 Candidate features other than the item id (advertiser, campaign, category, ...) come from
 the artifact's item index, unless the request's `context` gives a value for all candidates
 (slot, device: features of the ad request rather than of the ad); history events take them from `features` when given, else from
@@ -46,7 +47,10 @@ from torch import nn
 
 from genrec.data.config import FeatureSpec
 from genrec.models.ids import sorted_positions
-from genrec.models.serving.artifact import ArtifactContents, ServingTable, load_artifact_contents
+from genrec.models.config_loader import from_dict
+from genrec.models.serving.artifact import (
+    DENSE_FILE, MANIFEST, ArtifactContents, ServingTable, load_artifact_contents,
+)
 from genrec.models.model import GenerativeRecommender, ModelConfig
 
 RETRIEVAL = "retrieval"
@@ -91,7 +95,8 @@ class RankRequest:
     n: int = 50
     """Items returned."""
     exclude_seen: bool = False
-    """Never return an item of the history."""
+    """Never return an item of the request's history: all of it, also the events beyond
+    `max_history` that the model does not read."""
     allowed_advertisers: list[int] | None = None
     """Only items of these advertisers (None: all)."""
     request_time: int | None = None
@@ -123,19 +128,23 @@ class Ranker:
         self.version: str = m["version"]
         self.dtype: str = m["dtype"]
         self.path = contents.path
-        where = f"{contents.path / 'manifest.json'}"
+        where = contents.path / MANIFEST
+        features = _manifest_section(FeatureSpec, m, "features", where)
+        model_cfg = _manifest_section(ModelConfig, m, "model", where)
+        _check_feature_tables(m, features, contents, where)
         try:
-            features = FeatureSpec(**m["features"])
-            model_cfg = ModelConfig(**m["model"])
-        except TypeError as e:
-            raise ValueError(f"{where}: features / model do not match this genrec version ({e})") from None
-        tower = (tower_builder or _build_tower)(m["tower"])
-        self.model = GenerativeRecommender(features=features, cfg=model_cfg, embeddings=_NoEmbeddings(),
-                                           feature_dims=m["feature_dims"], tower=tower, dim=m["dim"])
-        result = self.model.load_state_dict(contents.dense_state, strict=False)
+            tower = (tower_builder or _build_tower)(m["tower"])
+            self.model = GenerativeRecommender(features=features, cfg=model_cfg, embeddings=_NoEmbeddings(),
+                                               feature_dims=m["feature_dims"], tower=tower, dim=m["dim"])
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        try:
+            result = self.model.load_state_dict(contents.dense_state, strict=False)
+        except RuntimeError as e:  # a tensor of another shape: the manifest's tower / model do not fit it
+            raise ValueError(f"{where}: 'tower' / 'model' do not fit {DENSE_FILE} ({e})") from None
         missing = [k for k in result.missing_keys if not k.startswith("embeddings.")]
         if missing or result.unexpected_keys:
-            raise ValueError(f"artifact file dense.safetensors does not fit the model: missing {missing}, "
+            raise ValueError(f"{where}: 'tower' / 'model' do not fit {DENSE_FILE}: missing {missing}, "
                              f"unexpected {result.unexpected_keys}")
         self.model.eval()
         self.model.requires_grad_(False)  # inference only: no autograd graph on any path
@@ -253,7 +262,9 @@ class Ranker:
         ts = ts[order]
         request_time = int(ts[-1]) if req.request_time is None else req.request_time
         return {"features": feats, "timestamps": ts, "length": int(items.numel()), "truncated": truncated,
-                "items": items, "request_time": request_time}
+                "request_time": request_time,
+                # exclude_seen filters every item of the request, not only the events kept.
+                "seen_items": torch.tensor(req.item_ids, dtype=torch.int64)}
 
     def _rows(self, feature: str, ids: torch.Tensor, known: torch.Tensor | None) -> torch.Tensor:
         rows = self.table_of[feature].lookup(ids)
@@ -289,7 +300,7 @@ class Ranker:
     def _filters(self, req: RankRequest, hist: dict) -> dict[str, torch.Tensor]:
         masks = {}
         if req.exclude_seen:
-            pos, known = sorted_positions(self.item_ids_N, hist["items"])
+            pos, known = sorted_positions(self.item_ids_N, hist["seen_items"])
             masks["exclude"] = pos[known]
         if req.allowed_advertisers is not None:
             adv = self.item_side[self.cfg.advertiser_feature]
@@ -421,15 +432,34 @@ class Ranker:
         return total + sum(p.nbytes for p in self.model.parameters())
 
 
+def _manifest_section(cls: type, manifest: dict, key: str, where: Path):
+    """Manifest section `key` as config dataclass `cls`: an unknown key or a value of the
+    wrong type is a ValueError naming `key.field`."""
+    try:
+        return from_dict(cls, manifest[key], prefix=key)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _check_feature_tables(m: dict, features: FeatureSpec, contents: ArtifactContents, where: Path) -> None:
+    """Every sparse feature has an integer dimension and a table; every candidate side
+    feature has a column in the item index."""
+    for f in features.sparse:
+        dim = m["feature_dims"].get(f)
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"{where}: 'feature_dims.{f}' must be a positive integer (the dimension of "
+                             f"sparse feature {f!r}), got {dim!r}")
+        if not any(f in meta["features"] for meta in m["tables"].values()):
+            raise ValueError(f"{where}: 'features.sparse' names {f!r}, which no entry of 'tables' serves")
+        if f not in (features.item, features.action) and f not in contents.item_side_features:
+            raise ValueError(f"{where}: candidate side feature {f!r} has no column 'feature.{f}' in the item index")
+
+
 def _build_tower(tower_cfg: dict) -> nn.Module:
     from genrec.dense.config import TowerConfig
     from genrec.dense.tower import build_tower
 
-    names = {f.name for f in dataclasses.fields(TowerConfig)}
-    unknown = sorted(set(tower_cfg) - names)
-    if unknown:
-        raise ValueError(f"artifact manifest: tower config keys {unknown} are unknown to this genrec version")
-    return build_tower(TowerConfig(**tower_cfg))
+    return build_tower(from_dict(TowerConfig, tower_cfg, prefix="tower"))
 
 
 def load_artifact(artifact_dir: str | os.PathLike, cfg: ServingConfig | None = None,

@@ -35,7 +35,8 @@ field (`{"detail": ..., "field": "item_ids.3", "errors": [...]}`). Bodies larger
 `PARSE_INLINE_BYTES` are parsed and validated in a worker thread, not on the event loop. (The
 JSON and pydantic parsers hold the GIL while they run, so a maximal body still pauses the loop
 for one parser call, tens of ms, not for the whole request.) A history longer than the
-server's `max_history` keeps its most recent events (the response says `history_truncated`).
+server's `max_history` keeps its most recent events (the response says `history_truncated`);
+`exclude_seen` still filters the items of the whole history sent.
 Concurrent requests are batched dynamically: the batch worker takes what has queued, waiting
 at most `max_wait_ms` for up to `max_batch_size`. CPU threads are bounded: torch uses
 `threads` intra-op threads, one batch worker thread, and uvicorn's single event loop.

@@ -5,7 +5,9 @@ Every rank writes into the one temp dir; after all ranks have fsynced and report
 checksums, rank 0 writes COMPLETE last and renames the temp dir to step-N. A step dir
 without a valid COMPLETE is never trusted, so `kill -9` at any moment leaves the previous
 checkpoint as `latest()`. A save in progress (or killed) lives under `.tmp-...` and is
-removed by the next save.
+removed by the next save. A save that fails (a full disk: ENOSPC) raises
+`CheckpointWriteError` on every rank, naming the checkpoint and the earlier one that stays
+the latest, and its partial files are removed at once.
 
 Usage in a training loop:
 
@@ -38,6 +40,7 @@ snapshot, reads and verifies them under any world size); the dense part does not
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -67,7 +70,14 @@ def _dist_on() -> bool:
 
 def _torch_save(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        try:
+            torch.save(obj, f)
+        except RuntimeError as e:
+            # torch's zip writer turns a failed write of the file (a full disk) into a
+            # RuntimeError ("unexpected pos"); the OSError it hit is its context.
+            if isinstance(e.__context__, OSError):
+                raise e.__context__ from None
+            raise
         f.flush()
         os.fsync(f.fileno())
 
@@ -97,6 +107,38 @@ def _check_weights_only(obj: Any, where: str) -> None:
 def _plain_json(d: dict[str, object]) -> dict[str, object]:
     # Round-trip so a tuple compares equal to the list it becomes in the marker.
     return json.loads(json.dumps(d, sort_keys=True))
+
+
+FAULT_ENV = "GENREC_FAULT_AT"
+"""Fault-injection hook for tests: `GENREC_FAULT_AT=WHERE:STEP` makes the process kill itself
+with SIGKILL at that point (`fault_point`), as a crash or an OOM kill would."""
+
+
+def fault_point(where: str, step: int) -> None:
+    """SIGKILL this process here if `$GENREC_FAULT_AT` is `where:step` (unset: a no-op). Points:
+    `step` (after a training step, before its checkpoint) and, inside `CheckpointManager.save`,
+    `save-dense` (dense.pt written), `save-shared` (the sparse snapshot written, nothing
+    checksummed yet), `save-marker` (COMPLETE written, not yet in place) and `save-published`
+    (renamed into place, older ones not yet pruned)."""
+    if os.environ.get(FAULT_ENV) == f"{where}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, an I/O error). Its partial files were
+    removed; the previous complete checkpoint stays the latest, and a resume starts there."""
+
+    def __init__(self, cause: OSError, path: Path, previous: Path | None) -> None:
+        full = cause.errno in _DISK_FULL
+        what = "the disk is full (no space left on device)" if full else f"{cause}"
+        where = f" writing {cause.filename}" if full and cause.filename else ""
+        kept = f"{previous} stays the latest complete checkpoint" if previous else "there is no earlier checkpoint"
+        advice = "; free space and resume" if full else ""
+        super().__init__(cause.errno, f"checkpoint {path} could not be written: {what}{where}; the partial "
+                                      f"checkpoint was removed and {kept}{advice}")
 
 
 class CheckpointManager:
@@ -173,9 +215,44 @@ class CheckpointManager:
         fingerprint = _plain_json(config_fingerprint)
 
         tmp = self._make_tmp_dir(step)
+        final = self.step_dir(step)
         manifest: dict[str, dict[str, object]] = {}
+        failure: OSError | None = None
+        try:
+            self._write_files(tmp, step, dense_state, rank_state, write_extra, write_shared, manifest)
+        except OSError as e:  # e.g. a full disk: every rank must learn it at the gather below
+            failure = e
+
+        # The gather doubles as the barrier: no rank reports until its files are durable.
+        mine = {"files": manifest, "error": None if failure is None else (failure.errno, str(failure))}
+        reports = [mine]
+        if _dist_on():
+            reports = [None] * self.world_size
+            dist.all_gather_object(reports, mine)
+        try:
+            errors = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"] is not None]
+            if errors:
+                rank, (code, text) = errors[0]
+                raise failure or OSError(code, f"rank {rank}: {text}")
+            if self.rank == 0:
+                self._publish(tmp, final, step, fingerprint, {k: v for rep in reports for k, v in rep["files"].items()})
+        except OSError as e:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # never trusted (no marker), and it frees the space
+            raise CheckpointWriteError(e, final, self.latest()) from e
+        if self.rank == 0:
+            self.prune()
+        if _dist_on():
+            dist.barrier()  # nobody returns before the checkpoint is visible
+        return final
+
+    def _write_files(self, tmp: Path, step: int, dense_state, rank_state, write_extra, write_shared,
+                     manifest: dict[str, dict[str, object]]) -> None:
+        """This rank's files of checkpoint `step` into `tmp`, fsynced; their sizes and sha256
+        into `manifest`."""
         if self.rank == 0:
             _torch_save(dense_state, tmp / DENSE_FILE)
+            fault_point("save-dense", step)
         rank_dir = self.rank_dir(tmp)
         (rank_dir / "extra").mkdir(parents=True)
         _torch_save(rank_state, rank_dir / RANK_STATE_FILE)
@@ -193,6 +270,7 @@ class CheckpointManager:
                 if not f.is_file() or shared.resolve() not in f.resolve().parents:
                     raise ValueError(f"write_shared reported {f}, which is not a file under {shared}")
                 mine.append(f)
+            fault_point("save-shared", step)
         # Checksums are computed by the rank that wrote the files, in parallel.
         for p in mine:
             fsync_path(p)  # extra files were written by other code, maybe without fsync
@@ -200,42 +278,40 @@ class CheckpointManager:
         for d in sorted({p.parent for p in mine}):
             fsync_path(d)
 
-        # The gather doubles as the barrier: no rank reports until its files are durable.
-        manifests = [manifest]
-        if _dist_on():
-            manifests = [None] * self.world_size
-            dist.all_gather_object(manifests, manifest)
-        final = self.step_dir(step)
-        if self.rank == 0:
-            files = {k: v for m in manifests for k, v in m.items()}
-            marker = {
-                "format_version": FORMAT_VERSION,
-                "step": step,
-                "world_size": self.world_size,
-                "created_unix": time.time(),
-                "torch_version": torch.__version__,
-                "config_fingerprint": fingerprint,
-                "config_sha256": hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest(),
-                "files": files,
-            }
-            with open(tmp / (MARKER + ".partial"), "w") as f:
-                json.dump(marker, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp / (MARKER + ".partial"), tmp / MARKER)
-            fsync_path(tmp)
-            replaced = None
-            if final.exists():  # re-saving a step (resumed from an older one): move the old aside
-                replaced = self.root / f"{TMP_PREFIX}replaced-{final.name}-{os.getpid()}"
-                os.replace(final, replaced)
+    def _publish(self, tmp: Path, final: Path, step: int, fingerprint: dict[str, object],
+                 files: dict[str, dict[str, object]]) -> None:
+        """Rank 0: write the COMPLETE marker last, then rename `tmp` to `final`."""
+        marker = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "world_size": self.world_size,
+            "created_unix": time.time(),
+            "torch_version": torch.__version__,
+            "config_fingerprint": fingerprint,
+            "config_sha256": hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest(),
+            "files": files,
+        }
+        with open(tmp / (MARKER + ".partial"), "w") as f:
+            json.dump(marker, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        fault_point("save-marker", step)
+        os.replace(tmp / (MARKER + ".partial"), tmp / MARKER)
+        fsync_path(tmp)
+        replaced = None
+        if final.exists():  # re-saving a step (resumed from an older one): move the old aside
+            replaced = self.root / f"{TMP_PREFIX}replaced-{final.name}-{os.getpid()}"
+            os.replace(final, replaced)
+        try:
             os.replace(tmp, final)
-            fsync_path(self.root)
+        except OSError:
             if replaced is not None:
-                shutil.rmtree(replaced, ignore_errors=True)
-            self.prune()
-        if _dist_on():
-            dist.barrier()  # nobody returns before the checkpoint is visible
-        return final
+                os.replace(replaced, final)  # the step's earlier copy stays
+            raise
+        fsync_path(self.root)
+        fault_point("save-published", step)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
 
     def _make_tmp_dir(self, step: int) -> Path:
         name = None

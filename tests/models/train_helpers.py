@@ -1,5 +1,10 @@
-"""A tiny synthetic-ad-log job config shared by the training and evaluation tests."""
+"""A tiny synthetic-ad-log job config shared by the training and evaluation tests, and a
+filesystem that fills up."""
 
+import builtins
+import errno
+import io
+import os
 from pathlib import Path
 
 from genrec.models.config import JobConfig
@@ -27,3 +32,41 @@ def tiny_config(data: Path, out: Path, **train) -> JobConfig:
                   "precision": "fp32", "tensorboard": False, "eval_max_users": 16, **train},
     }
     return from_dict(JobConfig, raw)
+
+
+class FullDisk:
+    """Stands in for `open` in one module (monkeypatched there): writes to files whose path
+    contains `match` fail with ENOSPC once `budget` bytes have gone through it in all, the
+    bytes before that reaching the disk, as on a filesystem that fills up mid-write. A real
+    full filesystem needs root to make; this injects the same error at a chosen byte."""
+
+    def __init__(self, budget: int, match: str = "") -> None:
+        self.budget = budget
+        self.match = match
+        self.written = 0
+        self.failed_on: str | None = None
+        """The file whose write hit the full disk."""
+
+    def __call__(self, file, mode="r", *args, **kwargs):
+        if not any(c in mode for c in "wax") or self.match not in str(file):
+            return builtins.open(file, mode, *args, **kwargs)
+        raw = _FillingFile(file, mode.replace("b", "").replace("t", ""), self)
+        return raw if "b" in mode else io.TextIOWrapper(io.BufferedWriter(raw), encoding=kwargs.get("encoding"))
+
+
+class _FillingFile(io.FileIO):
+    def __init__(self, file, mode: str, disk: FullDisk) -> None:
+        super().__init__(file, mode)
+        self.disk = disk
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        room = self.disk.budget - self.disk.written
+        if len(data) <= room:
+            n = super().write(data)
+            self.disk.written += n
+            return n
+        if room > 0:
+            self.disk.written += super().write(data[:room])
+        self.disk.failed_on = str(self.name)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.name))

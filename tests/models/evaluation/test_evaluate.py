@@ -77,6 +77,30 @@ def test_report_has_headline_keys_baseline_slices_and_plots(report):
     assert "| metric | run | 95% CI | popularity |" in md and "## run minus popularity" in md
 
 
+def test_popularity_has_no_probability_figures_and_slices_have_cis(report):
+    got, out = report
+    # Popularity's scores are an order: its AUC / GAUC stay, log loss / NE / calibration go,
+    # from its column and from the comparison (where they would read as significant).
+    for task in ("click", "conversion"):
+        assert got[f"baselines.popularity.ranking.{task}.auc"] is not None
+        assert f"comparisons.popularity.ranking.{task}.gauc.p_value" in got
+        for figure in ("logloss", "ne", "calibration", "mean_pred", "reliability.0.count"):
+            assert f"baselines.popularity.ranking.{task}.{figure}" not in got
+            assert f"baselines.popularity.slices.ranking.user_type.returning.{task}.{figure}" not in got
+        assert f"ranking.{task}.logloss" in got and f"comparisons.popularity.ranking.{task}.logloss.diff" not in got
+    md = (out / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| ranking.click.logloss |"))
+    assert row.rstrip().endswith("| — |"), row  # the popularity column
+    section = md.split("## run minus popularity", 1)[1].split("\n## ", 1)[0]
+    assert "logloss" not in section and "ranking.click.gauc" in section
+    assert "e-0" not in section  # p-values at the bootstrap floor read "< 0.005" (200 resamples)
+    # Every retrieval slice has a bootstrap interval around its figure (the plots' error bars).
+    for bucket in ("0-4", "5-19", "20-49"):
+        prefix = f"slices.retrieval.history_length.{bucket}."
+        if got[prefix + "count"]:
+            assert got[prefix + "ci.ndcg@10.low"] <= got[prefix + "ndcg@10"] <= got[prefix + "ci.ndcg@10.high"]
+
+
 def _brute_force_ranks(run: Path, data: Path, users: int) -> dict[int, int]:
     """Each user's target rank from scratch: read the test rows with pyarrow, score every
     corpus item with the model's own embeddings, drop seen items, count items scoring >= the

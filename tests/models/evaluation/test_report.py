@@ -12,6 +12,7 @@ import torch
 from genrec.models.evaluation.metrics import (
     RankingMetrics,
     RetrievalMetrics,
+    bootstrap_ci,
     compare_models,
     headline_cis,
 )
@@ -24,7 +25,7 @@ from genrec.models.evaluation.slices import (
     length_buckets,
     popularity_buckets,
 )
-from genrec.models.evaluation.report import collect_versions, flatten, report_json, write_report
+from genrec.models.evaluation.report import collect_versions, flatten, report_json, slice_figure, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -41,6 +42,16 @@ def _evaluate(scores_BN, targets_B, seen_BS, hist_B, pop_bucket_N):
         sliced.update({"history_length": length_buckets(hist_B[s]),
                        "item_popularity": pop_bucket_N[targets_B[s].numpy()]}, ranks)
     return ret, sliced
+
+
+def _with_cis(sliced: SlicedMetrics) -> dict:
+    """`sliced.compute()` with each slice's bootstrap CIs, as `genrec eval` writes them."""
+    out = sliced.compute()
+    for column, values in out.items():
+        for value, figures in values.items():
+            per_user = sliced.accumulator(column, value).per_user()
+            figures["ci"] = {m: bootstrap_ci(per_user[m], None, 100) for m in ("hr@10", "ndcg@10")}
+    return out
 
 
 def make_report() -> dict:
@@ -67,9 +78,9 @@ def make_report() -> dict:
         "name": "hstu-tiny",
         "retrieval": ret.compute(),
         "ranking": rank.compute(),
-        "slices": {"retrieval": sliced.compute()},
+        "slices": {"retrieval": _with_cis(sliced)},
         "ci": headline_cis(ret, rank, num_resamples=100),
-        "baselines": {"popularity": {"retrieval": pop_ret.compute(), "slices": {"retrieval": pop_sliced.compute()}}},
+        "baselines": {"popularity": {"retrieval": pop_ret.compute(), "slices": {"retrieval": _with_cis(pop_sliced)}}},
         "comparisons": {"popularity": compare_models(ret, pop_ret, num_resamples=100)},
         "config": {"eval": {"ks": [10, 50], "seed": 0}},
         "data_manifest_checksums": {"test.parquet": "sha256:abc"},
@@ -124,6 +135,46 @@ def test_report_markdown_and_plots(report, tmp_path):
     assert "| 200+ | 0 | — |" in md
     assert "![calibration](calibration.png)" in md
     assert "sha256:abc" in md
+
+
+def test_p_value_at_the_bootstrap_floor_reads_as_a_bound(report, tmp_path):
+    comparison = report["comparisons"]["popularity"]
+    # Where no resample is as extreme as the observed difference, p sits at 1 / (100 + 1).
+    at_floor = [k for k, c in comparison.items() if c["p_value"] == pytest.approx(1 / 101)]
+    assert at_floor, "the model is far ahead of popularity on some figure"
+    md = (write_report(tmp_path / "eval", report, plots=False) / "report.md").read_text()
+    section = md.split("## hstu-tiny minus popularity", 1)[1].split("\n## ", 1)[0]
+    for key, c in comparison.items():
+        row = next(line for line in section.splitlines() if line.startswith(f"| {key} |"))
+        p_cell = row.strip().strip("|").split("|")[-1].strip()
+        if key in at_floor:
+            assert p_cell == "< 0.01", row
+        else:
+            assert float(p_cell) == pytest.approx(c["p_value"], abs=5e-4), row
+    assert "9.90e-03" not in md
+
+
+def test_slice_plot_has_error_bars_and_leaves_empty_buckets_empty(report):
+    fig = slice_figure(report, "history_length")
+    ax = fig.axes[0]
+    labels = list(report["slices"]["retrieval"]["history_length"])
+    models = [report, report["baselines"]["popularity"]]
+    bars = [c for c in ax.containers if hasattr(c, "errorbar")]
+    assert len(bars) == len(models)
+    for container, model in zip(bars, models):
+        slices = model["slices"]["retrieval"]["history_length"]
+        heights = [p.get_height() for p in container.patches]
+        segments = container.errorbar.lines[2][0].get_segments()
+        assert len(segments) == len(labels)
+        for label, height, segment in zip(labels, heights, segments):
+            figures = slices[label]
+            if figures["count"] == 0:  # nobody has a history of 200+: a gap, not a bar at 0
+                assert math.isnan(height) and np.isnan(segment).all(), label
+            else:
+                ci = figures["ci"]["ndcg@10"]
+                assert height == pytest.approx(figures["ndcg@10"])
+                assert sorted(segment[:, 1]) == pytest.approx([ci["low"], ci["high"]]), label
+    assert labels[-1] == "200+" and report["slices"]["retrieval"]["history_length"]["200+"]["count"] == 0
 
 
 def test_report_replaces_atomically_and_leaves_nothing_on_error(report, tmp_path):

@@ -82,6 +82,39 @@ def test_tampered_manifest_json_is_refused(model_and_items, tmp_path):
         verify_artifact(art)
 
 
+def _drop(d: dict, key: str) -> None:
+    del d[key]
+
+
+# (how the manifest is damaged, the key the error must name). Each one used to escape
+# Ranker.__init__ as a KeyError, a TypeError or a RuntimeError.
+_BAD_MANIFESTS = [
+    (lambda m: m["features"].update(sparse=5), "features.sparse"),
+    (lambda m: m["features"].update(colour="red"), "features.colour"),
+    (lambda m: m["features"].update(labels=["click", 3]), "features.labels"),
+    (lambda m: m["model"].update(ranking_tasks="click"), "model.ranking_tasks"),
+    (lambda m: m["model"].update(negatives="some"), "model.negatives"),
+    (lambda m: m["model"].update(ranking_hidden_dim=3), "model"),
+    (lambda m: m["tower"].update(embedding_dim="16"), "tower.embedding_dim"),
+    (lambda m: m["tower"].update(num_layers=5), "tower"),
+    (lambda m: m["tower"].update(bogus=1), "tower.bogus"),
+    (lambda m: _drop(m["feature_dims"], "category_id"), "feature_dims.category_id"),
+    (lambda m: m["feature_dims"].update(advertiser_id="16"), "feature_dims.advertiser_id"),
+    (lambda m: m["tables"]["t_category_id"].update(features=[]), "category_id"),
+]
+
+
+@pytest.mark.parametrize("damage,key", _BAD_MANIFESTS)
+def test_malformed_manifest_is_a_value_error_naming_the_key(model_and_items, tmp_path, damage, key):
+    art = _export(model_and_items, tmp_path / "a")
+    manifest = json.loads((art / "manifest.json").read_text())
+    damage(manifest)
+    (art / "manifest.json").write_text(json.dumps(manifest))  # the manifest checksums other files only
+    with pytest.raises(ValueError, match=re.escape(key)) as err:
+        ranker_module.load_artifact(art)
+    assert "manifest.json" in str(err.value)
+
+
 def test_loading_never_unpickles(model_and_items, tmp_path, monkeypatch):
     art = _export(model_and_items, tmp_path / "a", dtype="int8")
 

@@ -1,3 +1,5 @@
+import builtins
+import errno
 import json
 import os
 import random
@@ -15,9 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from train_helpers import FullDisk
+
+from genrec.models.train import checkpoint as checkpoint_module
 from genrec.models.train.checkpoint import (
     MARKER,
     CheckpointManager,
+    CheckpointWriteError,
     capture_rng_state,
     install_stop_signals,
     restore_rng_state,
@@ -167,6 +173,31 @@ def test_keep_last_prunes_only_after_the_new_one_is_complete(tmp_path: Path) -> 
     assert [s for s, _ in mgr.complete_steps()] == [20, 30]
     _save(mgr, 50)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000030", "step-00000050"]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.2, 0.5, 0.8, 0.999])
+def test_disk_full_during_a_save_is_clear_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fraction):
+    counting = FullDisk(budget=1 << 62)  # how many bytes a save writes through `open`
+    monkeypatch.setattr(checkpoint_module, "open", counting, raising=False)
+    _save(CheckpointManager(tmp_path / "dry", rank=0, world_size=1), 2)
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(root, keep_last=1, rank=0, world_size=1)
+    monkeypatch.setattr(checkpoint_module, "open", builtins.open, raising=False)
+    first = _save(mgr, 1)
+
+    disk = FullDisk(budget=int(fraction * counting.written))
+    monkeypatch.setattr(checkpoint_module, "open", disk, raising=False)
+    with pytest.raises(CheckpointWriteError) as err:
+        _save(mgr, 2)
+    assert disk.failed_on is not None and err.value.errno == errno.ENOSPC
+    message = str(err.value)
+    assert str(mgr.step_dir(2)) in message and "disk is full" in message and str(first) in message
+    # Nothing half-written is left to trust (or to hold the space), nothing was pruned.
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
+    monkeypatch.setattr(checkpoint_module, "open", builtins.open, raising=False)
+    dense, rank_state = mgr.load(mgr.latest(), config_fingerprint=FP)
+    assert rank_state["step"] == 1 and torch.equal(dense["model"]["weight"], torch.full((3, 4), 1.0))
+    assert _save(mgr, 2) == mgr.latest()  # with space again, the same save goes through
 
 
 def test_resave_of_an_existing_step_replaces_it(tmp_path: Path) -> None:

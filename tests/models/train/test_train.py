@@ -1,13 +1,15 @@
-"""The real trainer on a tiny synthetic ad log: golden losses, exact resume after kill -9,
-2 gloo ranks equal to 1 rank on the same global batch, and an end-to-end 2-rank run."""
+"""The real trainer on a tiny synthetic ad log: golden losses, exact resume after kill -9 at
+seeded points (inside checkpoint writes too), 2 gloo ranks equal to 1 rank on the same
+global batch, and an end-to-end 2-rank run."""
 
+import builtins
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from genrec.data.batch import Batch
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import from_dict, to_dict
-from train_helpers import tiny_config
+from train_helpers import FullDisk, tiny_config
 
 GOLDEN = Path(__file__).parents[2] / "assets" / "golden_losses.json"
 
@@ -46,29 +48,88 @@ def test_golden_losses(prepared, tmp_path):
     assert losses == pytest.approx(golden, rel=1e-4), "the math changed: regenerate with GENREC_WRITE_GOLDEN=1 only if intended"
 
 
-def test_resume_after_kill_matches_uninterrupted(prepared, tmp_path):
+KILL_KINDS = ("step", "save-dense", "save-shared", "save-marker", "save-published")
+"""Where `GENREC_FAULT_AT` kills the trainer (models/train/checkpoint.py: fault_point): after
+a training step, and at four points inside a checkpoint write."""
+
+
+def _kill_points(seed: int, *, steps: int, every: int) -> list[str]:
+    """One kill per kind, in an order and at steps drawn from `seed`, steps increasing (so
+    every restart gets further). Save kinds land on checkpoint steps, "step" between them."""
+    rng = random.Random(seed)
+    kinds = list(KILL_KINDS)
+    rng.shuffle(kinds)
+    saves = sorted(rng.sample(range(every, steps, every), len(kinds)))
+    return [f"{kind}:{s if kind != 'step' else s - rng.randrange(1, every)}" for kind, s in zip(kinds, saves)]
+
+
+def _final_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """Dense weights and optimizer state, and every sparse row (with its optimizer state) by
+    id, of checkpoint `step`."""
+    import numpy as np
+
+    ckpt = run_dir / "checkpoints" / f"step-{step:08d}"
+    dense = torch.load(ckpt / "dense.pt", weights_only=True)
+    out = {f"dense.{k}": v for k, v in dense["model"].items()}
+    out.update({f"adam.{i}.{k}": v for i, st in dense["optimizer"]["state"].items() for k, v in st.items()})
+    snapshot = ckpt / "shared" / "sparse"
+    manifest = json.loads((snapshot / "MANIFEST.json").read_text())
+    for table, meta in manifest["tables"].items():
+        for shard in meta["shards"]:
+            files = {k: snapshot / f"v{manifest['version']}" / f["file"] for k, f in shard["files"].items()}
+            ids = np.fromfile(files["ids"], dtype=np.int64)
+            rows = np.fromfile(files["rows"], dtype=np.float32).reshape(len(ids), meta["row_width"])
+            order = np.argsort(ids)
+            out[f"ids.{table}"], out[f"rows.{table}"] = torch.from_numpy(ids[order]), torch.from_numpy(rows[order])
+    return out
+
+
+def test_kill_9_at_seeded_points_then_resume_matches_uninterrupted(prepared, tmp_path):
     from genrec.models.train.trainer import run_training
 
-    steps = 40
-    reference = run_training(tiny_config(prepared, tmp_path / "ref", max_steps=steps, checkpoint_every=10))
-    cfg = tiny_config(prepared, tmp_path / "crash", max_steps=steps, checkpoint_every=10)
+    steps, every = 24, 4
+    seed = int(os.environ.get("GENREC_FAULT_SEED", "0"))
+    points = _kill_points(seed, steps=steps, every=every)
+    reference = run_training(tiny_config(prepared, tmp_path / "ref", max_steps=steps, checkpoint_every=every))
+    cfg = tiny_config(prepared, tmp_path / "crash", max_steps=steps, checkpoint_every=every)
     config_path = tmp_path / "crash.json"
     config_path.write_text(json.dumps(to_dict(cfg)))
-    proc = subprocess.Popen([sys.executable, "-c", _RUN_FROM_JSON, str(config_path)])
-    marker = tmp_path / "crash" / "checkpoints" / "step-00000010" / "COMPLETE"
-    while not marker.exists() and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    resumed = run_training(cfg, resume=True)
-    logged = _losses(tmp_path / "crash")
+    for point in points:
+        env = dict(os.environ, GENREC_FAULT_AT=point)
+        proc = subprocess.run([sys.executable, "-c", _RUN_FROM_JSON, str(config_path)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+        assert proc.returncode == -signal.SIGKILL, f"seed {seed}, {point}: not killed there\n{proc.stderr[-2000:]}"
+    resumed = run_training(cfg)  # the last restart runs to the end
     first_resumed = steps - len(resumed) + 1
-    assert first_resumed >= 11
-    assert resumed == reference[first_resumed - 1 :]  # bit-identical, deterministic mode
-    # Steps the killed run logged before its checkpoint agree too.
-    for step in range(1, 11):
-        assert logged[step] == reference[step - 1]
+    assert resumed == reference[first_resumed - 1 :], f"seed {seed}, points {points}"  # bit-identical
+    logged = _losses(tmp_path / "crash")  # every step's loss, from whichever attempt logged it last
+    assert [logged[s] for s in range(1, steps + 1)] == reference, f"seed {seed}, points {points}"
+    want, got = _final_state(tmp_path / "ref", steps), _final_state(tmp_path / "crash", steps)
+    assert want.keys() == got.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), f"seed {seed}, points {points}: {name} differs"
+
+
+def test_disk_full_at_a_checkpoint_then_resume_from_the_previous_one(prepared, tmp_path, monkeypatch):
+    from genrec.models.train import checkpoint as checkpoint_module
+    from genrec.models.train.checkpoint import CheckpointWriteError
+    from genrec.models.train.trainer import run_training
+
+    reference = run_training(tiny_config(prepared, tmp_path / "ref", max_steps=9, checkpoint_every=3))
+    cfg = tiny_config(prepared, tmp_path / "full", max_steps=9, checkpoint_every=3)
+    disk = FullDisk(budget=2000, match="step-00000006")  # the disk fills up inside step 6's dense.pt
+    monkeypatch.setattr(checkpoint_module, "open", disk, raising=False)
+    with pytest.raises(CheckpointWriteError, match="the disk is full") as err:
+        run_training(cfg)
+    assert disk.failed_on.endswith("dense.pt")
+    assert str(tmp_path / "full" / "checkpoints" / "step-00000006") in str(err.value)
+    assert str(tmp_path / "full" / "checkpoints" / "step-00000003") in str(err.value)
+    assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step-00000003"]
+    monkeypatch.setattr(checkpoint_module, "open", builtins.open, raising=False)
+    resumed = run_training(cfg, resume=True)  # from step 3, the one that stayed intact
+    assert resumed == reference[3:]
+    want, got = _final_state(tmp_path / "ref", 9), _final_state(tmp_path / "full", 9)
+    assert all(torch.equal(got[name], tensor) for name, tensor in want.items())
 
 
 _RUN_FROM_JSON = """
