@@ -315,7 +315,12 @@ int64_t fwd_lookup(const Index *ix, const int64_t *tvd, const int64_t *ids, cons
     }
     if (!ok || !out) return -(U + 1);
     for (int64_t u = 0; u < U; u++) {
-        if (u + AHEAD < U) __builtin_prefetch(meta_ptr(tv, loc[u + AHEAD]));
+        if (u + AHEAD < U) {
+            int64_t ahead = loc[u + AHEAD];
+            __builtin_prefetch(meta_ptr(tv, ahead));
+            uint8_t *ref = (ahead & 3) == 0 ? ref0 : ref1;
+            if (ref) __builtin_prefetch(&ref[ahead >> 2]);
+        }
         int64_t *m = meta_ptr(tv, loc[u]);
         m[META_LAST_ACCESS] = step;
         m[META_FREQ] += cnt[u];
