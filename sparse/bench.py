@@ -304,7 +304,7 @@ def run(quick: bool) -> dict:
         t0 = time.perf_counter()
         _log("hot path")
         result.update(bench_hot_path(num_rows=500_000 if quick else 2_000_000, batch=16384, dim=64,
-                                     repeats=7 if quick else 21, root=root))
+                                     repeats=31 if quick else 61, root=root))
         _log(f"hot_path_ratio {result['hot_path_ratio']:.3f}")
         _log("offload")
         result.update(bench_offload(num_rows=100_000 if quick else 2_000_000, host_rows=10_000 if quick else 200_000,
