@@ -149,7 +149,8 @@ def bench_hot_path(num_rows: int, batch: int, dim: int, repeats: int, root: str)
       hot_path_ratio                 host tier only, no TTL (the store's fastest config)
       hot_path_ratio_default_config  TableConfig's default tiers (device_rows=65536 on
                                      CPU, the rest host), TTL on, event time advancing
-    plus fbgemm's CPU TBE (exact row-wise Adagrad) on the same ids, as a named peer."""
+    plus fbgemm's CPU TBE (exact row-wise Adagrad) on the same ids, as a named peer.
+    num_rows must fit the default tiers (65,536 + 2^20 rows) for the second figure."""
     sample = _zipf_sampler(num_rows, 1.05, seed=3)
     batches = [sample(batch) for _ in range(repeats + 1)]
     tables = {
@@ -303,7 +304,7 @@ def run(quick: bool) -> dict:
         result: dict = {"quick": quick, "torch_threads": 1}
         t0 = time.perf_counter()
         _log("hot path")
-        result.update(bench_hot_path(num_rows=500_000 if quick else 2_000_000, batch=16384, dim=64,
+        result.update(bench_hot_path(num_rows=500_000 if quick else 1_000_000, batch=16384, dim=64,
                                      repeats=31 if quick else 61, root=root))
         _log(f"hot_path_ratio {result['hot_path_ratio']:.3f}")
         _log("offload")
