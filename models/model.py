@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from genrec.data.batch import Batch
@@ -181,7 +182,8 @@ class GenerativeRecommender(nn.Module):
     # ---- tokens -------------------------------------------------------------------------
 
     def _tokens(self, kjt: KeyedJaggedTensor, keys: list[str], which: str) -> tuple[torch.Tensor, dict]:
-        embedded = self.embeddings(kjt)
+        with record_function("genrec.sparse_forward"):  # a range for `genrec profile`
+            embedded = self.embeddings(kjt)
         parts = [embedded[k].values() for k in keys]
         if self.project is None:
             return torch.stack(parts).sum(0), embedded
@@ -206,8 +208,9 @@ class GenerativeRecommender(nn.Module):
         item_rows_TD = embedded[self.features.item].values()
         lengths_B = batch.history_lengths_B
         if batch.candidates is None:
-            states = self.tower(tokens_TD, batch.history_offsets_B1, batch.timestamps_T,
-                                query_time_B=batch.query_time_B)
+            with record_function("genrec.tower"):
+                states = self.tower(tokens_TD, batch.history_offsets_B1, batch.timestamps_T,
+                                    query_time_B=batch.query_time_B)
             return states, None, item_rows_TD
         cand_TD, _ = self._tokens(self._candidate_kjt(batch.candidates), self.candidate_features, "candidates")
         cand_lengths_B = batch.candidates.lengths().view(len(batch.candidates.keys()), -1)[0].long()
@@ -215,8 +218,9 @@ class GenerativeRecommender(nn.Module):
         ts, _, _ = interleave_jagged(
             batch.timestamps_T.unsqueeze(-1), lengths_B, batch.candidate_timestamps_C.unsqueeze(-1), cand_lengths_B
         )
-        states = self.tower(values, offsets_B1, ts.squeeze(-1), num_targets_B=cand_lengths_B,
-                            query_time_B=_request_time(batch, cand_lengths_B))
+        with record_function("genrec.tower"):
+            states = self.tower(values, offsets_B1, ts.squeeze(-1), num_targets_B=cand_lengths_B,
+                                query_time_B=_request_time(batch, cand_lengths_B))
         hist_mask = torch.ones(states.shape[0], dtype=torch.bool, device=states.device)
         hist_mask[cand_pos] = False
         return states[hist_mask], self.head_input(states[cand_pos], cand_TD), item_rows_TD
@@ -294,6 +298,11 @@ class GenerativeRecommender(nn.Module):
         """Training loss and its parts."""
         use_candidates = self.cfg.ranking and batch.candidates is not None
         states, cand_states, item_rows = self.encode(batch if use_candidates else _without_candidates(batch))
+        with record_function("genrec.loss"):
+            return self._loss(batch, states, cand_states, item_rows, use_candidates)
+
+    def _loss(self, batch: Batch, states, cand_states, item_rows, use_candidates: bool):
+        """The retrieval and ranking losses of one batch's states (see `forward`)."""
         loss = states.new_zeros((), dtype=torch.float32)
         parts: dict[str, float] = {}
         if self.cfg.retrieval:

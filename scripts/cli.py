@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-BENCHES = ("data", "sparse", "dense", "train", "serve", "quality")
+BENCHES = ("data", "sparse", "dense", "train", "serve", "quality", "all", "check", "gate", "baseline")
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -95,10 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-hosts", type=lambda s: [h.strip() for h in s.split(",") if h.strip()], default=[],
                    metavar="NAME,...", help="Host header names accepted besides loopback ('*': any)")
 
-    p = sub.add_parser("bench", help="benchmarks; prints and writes a JSON of figures and ratios")
+    p = sub.add_parser("bench", help="benchmarks (JSON of figures and ratios), and the regression gate")
     p.add_argument("name", choices=BENCHES)
+    p.add_argument("results", nargs="*", help="check: one `bench all` JSON; baseline: several")
+    p.add_argument("--baseline", help="check / gate: the baseline JSON (configs/bench_baseline.json)")
     p.add_argument("--json", dest="json_out", help="write the figures here")
     p.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+
+    p = sub.add_parser("profile", help="profile training steps: Chrome trace, TensorBoard profile, summary.md")
+    p.add_argument("target", choices=["train"])
+    _add_config_args(p, required=True)
+    p.add_argument("--steps", type=int, default=20, help="profiled steps (after one warm-up step)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier profile in --out")
 
     p = sub.add_parser("demo", help="synthesize -> prepare -> train -> export -> eval -> one query")
     p.add_argument("--out", default="demo", help="working directory of the demo")

@@ -7,8 +7,6 @@ Imports are local so `genrec --help` stays fast.
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import sys
 
 
@@ -105,36 +103,22 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench(args: argparse.Namespace) -> int:
-    """Run one benchmark; print its figures (with the conditions they were taken under) as
-    JSON and write them to --json."""
-    module = {
-        "data": "genrec.data.bench",
-        "sparse": "genrec.sparse.bench",
-        "dense": "genrec.dense.bench",
-        "train": "genrec.models.train.bench",
-        "serve": "genrec.models.serving.bench",
-        "quality": "genrec.models.train.bench_quality",
-    }[args.name]
-    try:
-        run = importlib.import_module(module).run
-    except ModuleNotFoundError as e:
-        if e.name == module:
-            print(f"genrec bench {args.name}: not implemented yet", file=sys.stderr)
-            return 2
-        raise
-    from genrec.models.benchrecord import finish_record, start_record
+def profile(args: argparse.Namespace) -> int:
+    from genrec.models.config import JobConfig
+    from genrec.models.config_loader import load_config
+    from genrec.models.train.profile import profile_training
 
-    record = start_record()
-    figures = run(quick=args.quick)
-    figures["conditions"] = {**figures.get("conditions", {}), **finish_record(record)}
-    text = json.dumps(figures, indent=2, sort_keys=True)
-    print(text)
-    if args.json_out:
-        from genrec.data.files import atomic_write_text
-
-        atomic_write_text(args.json_out, text + "\n")
+    summary = profile_training(load_config(JobConfig, args.config, args.overrides), args.steps, args.out,
+                               overwrite=args.overwrite)
+    print(f"wrote {args.out}/summary.md, trace.json and tensorboard/ ({summary['step_ms']:.1f} ms per step)")
     return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    """One benchmark, all of them, or the regression gate (genrec.models.benchgate)."""
+    from genrec.models.benchgate import command
+
+    return command(args)
 
 
 def eval(args: argparse.Namespace) -> int:  # noqa: A001 - the subcommand's name

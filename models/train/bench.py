@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 
 
 def matmul_peak_gflops(n: int = 1024, repeats: int = 10) -> float:

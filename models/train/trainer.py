@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from genrec.data.files import atomic_write_json, atomic_write_text
 from genrec.data.loader import make_loader
@@ -200,16 +201,18 @@ class Trainer:
             self.store.set_event_time(int(batch.timestamps_T.max()))  # TTL runs on event time
         with self._autocast():
             loss, parts = self.model(batch)
-        self.scaler.scale(loss).backward()
-        clip = self.cfg.train.optim.grad_clip_norm
-        if clip is not None:
-            self.scaler.unscale_(self.optimizer)
-            parts["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
-                [p for _, p in dense_named_parameters(self.model)], clip))
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with record_function("genrec.backward"):  # the store's fused sparse update runs in here
+            self.scaler.scale(loss).backward()
+        with record_function("genrec.optimizer"):
+            clip = self.cfg.train.optim.grad_clip_norm
+            if clip is not None:
+                self.scaler.unscale_(self.optimizer)
+                parts["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
+                    [p for _, p in dense_named_parameters(self.model)], clip))
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         parts["loss"] = float(loss.detach())
         parts["lr"] = self.scheduler.get_last_lr()[0]
         return parts

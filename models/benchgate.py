@@ -1,0 +1,209 @@
+"""`genrec bench`: run one benchmark or all of them, and gate a result against a baseline.
+
+    genrec bench sparse --quick --json OUT      one bench's figures + the conditions they were taken under
+    genrec bench all --quick --json OUT         every bench in ALL, one JSON: {"benches": {name: figures}}
+    genrec bench check OUT --baseline FILE      exit 1 on a regression beyond the noise, else 0
+    genrec bench gate --baseline FILE --json OUT   `all --quick`, retried on a loaded machine, then `check`
+    genrec bench baseline OUT... --json FILE    a baseline from several `all` results (their spread)
+
+A baseline holds, per gated figure ("bench.key", GATED), the median, min and max over the
+runs it was made from, whether higher is better, and a target where the issue sets one.
+`check` compares a result with it:
+  - regression: a figure falls below its baseline min by more than NOISE_SPREADS times the
+    baseline's own spread (max - min), or rises above max by as much where lower is better:
+    the margin comes from what was observed on the machine, not a fixed guess (with a floor
+    of MIN_MARGIN of the median for figures that never varied);
+  - lost target: a target that held in every baseline run is now missed by more than that
+    margin (exactly, for a figure that never varied, like bytes per row);
+  - inconclusive: the result was taken with a load average above MAX_LOAD (a figure then
+    says more about the neighbours than the code); exit 0, saying so.
+Figures of a bench that was not run, or a baseline from another CPU model, are reported and
+skipped rather than failed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from genrec.data.files import atomic_write_text
+
+BENCH_MODULES = {
+    "data": "genrec.data.bench",
+    "sparse": "genrec.sparse.bench",
+    "dense": "genrec.dense.bench",
+    "train": "genrec.models.train.bench",
+    "serve": "genrec.models.serving.bench",
+    "quality": "genrec.models.train.bench_quality",
+}
+ALL = ("data", "sparse", "dense", "train", "serve")
+"""What `bench all` runs (`quality` trains for minutes even with --quick: run it alone)."""
+
+GATED = {
+    # figure: (higher is better, target or None)
+    "sparse.hot_path_ratio": (True, 0.8),
+    "sparse.hot_path_ratio_default_config": (True, 0.6),
+    "sparse.index_bytes_per_row": (False, 16.0),
+    "sparse.offload_ratio": (True, None),
+    "dense.jagged_vs_padded": (True, 1.5),
+    "dense.kv_cache_speedup_1024": (True, None),
+    "dense.hstu_vs_transformer_1024": (True, None),
+    "data.loader_vs_pyarrow_ratio": (True, None),
+    "serve.mfalcon_speedup": (True, 10.0),
+    "serve.p99_ms": (False, 50.0),
+}
+"""Figures the gate watches: ratios measured side by side in one run, and sizes that do not vary."""
+
+NOISE_SPREADS = 2.0
+MIN_MARGIN = 0.02
+"""The margin's floor, relative to the median, for a figure that did not vary over the
+baseline's runs (a size, a count): its last digits may move with unrelated changes."""
+MAX_LOAD_PER_CPU = 0.75
+"""Load average per logical CPU above which a result is inconclusive (1.5 on 2 cores)."""
+BASELINE_FORMAT = "genrec.bench.baseline/1"
+
+
+def max_load() -> float:
+    return MAX_LOAD_PER_CPU * (os.cpu_count() or 1)
+
+
+def run_one(name: str, quick: bool) -> dict:
+    """One bench's figures, with the conditions they were taken under."""
+    from genrec.models.benchrecord import finish_record, start_record
+
+    run = importlib.import_module(BENCH_MODULES[name]).run
+    record = start_record()
+    figures = run(quick=quick)
+    figures["conditions"] = {**figures.get("conditions", {}), **finish_record(record)}
+    return figures
+
+
+def run_all(quick: bool) -> dict:
+    from genrec.models.benchrecord import finish_record, start_record
+
+    record, benches = start_record(), {}
+    for name in ALL:
+        t0 = time.time()
+        print(f"genrec bench all: {name} ...", file=sys.stderr, flush=True)
+        benches[name] = run_one(name, quick)
+        print(f"genrec bench all: {name} done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return {"quick": quick, "benches": benches, "conditions": finish_record(record)}
+
+
+def _figure(result: dict, dotted: str):
+    bench, _, key = dotted.partition(".")
+    figures = result.get("benches", {}).get(bench) if "benches" in result else result
+    value = (figures or {}).get(key)
+    return value if isinstance(value, (int, float)) else None
+
+
+def make_baseline(results: list[dict]) -> dict:
+    """A baseline from several `bench all` results taken on one machine."""
+    if not results:
+        raise ValueError("genrec bench baseline: give at least one `bench all` result")
+    figures = {}
+    for dotted, (higher, target) in GATED.items():
+        values = sorted(v for r in results if (v := _figure(r, dotted)) is not None)
+        if values:
+            figures[dotted] = {"median": values[len(values) // 2], "min": values[0], "max": values[-1],
+                               "n": len(values), "higher_is_better": higher, "target": target}
+    conditions = [r.get("conditions", {}) for r in results]
+    return {"format": BASELINE_FORMAT, "cpu": conditions[0].get("cpu"), "figures": figures,
+            "load_average_before": [c.get("load_average_before") for c in conditions],
+            "git_commit": [c.get("git_commit") for c in conditions]}
+
+
+def check(result: dict, baseline: dict) -> tuple[str, list[str]]:
+    """("pass" | "fail" | "inconclusive", lines saying why, one per figure)."""
+    if baseline.get("format") != BASELINE_FORMAT:
+        raise ValueError(f"baseline: format {baseline.get('format')!r} is not {BASELINE_FORMAT!r}")
+    load = (result.get("conditions", {}).get("load_average_before") or [0.0])[0]
+    if load > max_load():
+        return "inconclusive", [f"load average {load:.2f} at the start is above {max_load():.2f}: "
+                                "the figures say more about other work on the machine than about the code"]
+    cpu, base_cpu = result.get("conditions", {}).get("cpu", {}), baseline.get("cpu") or {}
+    if base_cpu and cpu and cpu.get("model") != base_cpu.get("model"):
+        return "inconclusive", [f"baseline taken on {base_cpu.get('model')!r}, this result on {cpu.get('model')!r}"]
+    lines, failed = [], False
+    for dotted, b in baseline["figures"].items():
+        value = _figure(result, dotted)
+        if value is None:
+            lines.append(f"skip  {dotted}: not in this result")
+            continue
+        margin = max(NOISE_SPREADS * (b["max"] - b["min"]), MIN_MARGIN * abs(b["median"]))
+        if b["higher_is_better"]:
+            bad, limit = value < b["min"] - margin, b["min"] - margin
+            missed = b["target"] is not None and b["min"] >= b["target"] and value < b["target"] - margin
+        else:
+            bad, limit = value > b["max"] + margin, b["max"] + margin
+            missed = b["target"] is not None and b["max"] <= b["target"] and value > b["target"] + margin
+        verdict = "FAIL" if bad or missed else "ok"
+        failed |= bad or missed
+        why = " (regression)" if bad else " (target lost)" if missed else ""
+        lines.append(f"{verdict:5s} {dotted}: {value:.4g}, baseline median {b['median']:.4g} "
+                     f"[{b['min']:.4g}, {b['max']:.4g}], limit {limit:.4g}{why}")
+    return ("fail" if failed else "pass"), lines
+
+
+def _read(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable bench JSON ({e})") from None
+
+
+def _write(path: str | None, data: dict, echo: bool = True) -> None:
+    text = json.dumps(data, indent=2, sort_keys=True)
+    if echo:
+        print(text)
+    if path:
+        atomic_write_text(path, text + "\n")
+
+
+def _report(verdict: str, lines: list[str]) -> int:
+    for line in lines:
+        print(f"genrec bench check: {line}", file=sys.stderr)
+    print(f"genrec bench check: {verdict}", file=sys.stderr)
+    return 1 if verdict == "fail" else 0
+
+
+def command(args) -> int:
+    """The `genrec bench` subcommand (see the module docstring)."""
+    name = args.name
+    if name in BENCH_MODULES:
+        _write(args.json_out, run_one(name, args.quick))
+        return 0
+    if name == "all":
+        _write(args.json_out, run_all(args.quick))
+        return 0
+    if name == "baseline":
+        if not args.results or not args.json_out:
+            raise ValueError("genrec bench baseline: give the `bench all` results and --json FILE")
+        _write(args.json_out, make_baseline([_read(p) for p in args.results]))
+        return 0
+    if not args.baseline:
+        raise ValueError(f"genrec bench {name}: --baseline FILE is required")
+    baseline = _read(args.baseline)
+    if name == "check":
+        if len(args.results) != 1:
+            raise ValueError("genrec bench check: give one result file")
+        return _report(*check(_read(args.results[0]), baseline))
+    # gate: a loaded machine gets two more chances (a minute apart); a failure is re-run
+    # once, so noise must strike twice to fail a build.
+    verdict, lines = "inconclusive", []
+    for attempt in range(3):
+        if os.getloadavg()[0] > max_load():
+            lines = [f"load average {os.getloadavg()[0]:.2f} above {max_load():.2f}; waiting (try {attempt + 1} of 3)"]
+            print(f"genrec bench gate: {lines[0]}", file=sys.stderr, flush=True)
+            time.sleep(60)
+            continue
+        result = run_all(quick=True)
+        _write(args.json_out, result, echo=False)
+        verdict, lines = check(result, baseline)
+        if verdict == "pass" or (verdict == "fail" and attempt > 0):
+            break
+    return _report(verdict, lines)

@@ -1,0 +1,41 @@
+"""`genrec profile train`: the three outputs, every stage timed, and the overwrite rule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from genrec.data.files import OutputExistsError
+from genrec.models.train.profile import STAGES, profile_training
+from train_helpers import tiny_config
+
+
+def test_profile_writes_trace_tensorboard_and_summary_with_every_stage(prepared, tmp_path):
+    out = tmp_path / "profile"
+    summary = profile_training(tiny_config(prepared, tmp_path / "unused"), steps=2, out=out)
+    trace = json.loads((out / "trace.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    # Every stage the trainer opens a range for shows up in the Chrome trace.
+    assert set(STAGES[:-1]) <= names, set(STAGES[:-1]) - names
+    assert any(p.name.endswith(".pt.trace.json") for p in (out / "tensorboard").iterdir())
+    timed = {s["stage"]: s["ms_per_step"] for s in summary["stages"]}
+    assert all(timed[s] > 0 for s in ("genrec.sparse_forward", "genrec.tower", "genrec.loss", "genrec.backward"))
+    assert sum(v for k, v in timed.items() if "inside" not in k) == pytest.approx(summary["step_ms"], rel=0.05)
+    assert 0 < summary["mfu"] < 1 and summary["top_operators"]
+    md = (out / "summary.md").read_text()
+    assert "| genrec.tower |" in md and "MFU" in md
+    assert (out / "run" / "checkpoints").is_dir()  # the profiled run's checkpoint
+
+
+def test_profile_refuses_a_foreign_directory_and_replaces_its_own(prepared, tmp_path):
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "mine.txt").write_text("keep me")
+    with pytest.raises(OutputExistsError):
+        profile_training(tiny_config(prepared, tmp_path / "unused"), steps=1, out=foreign, overwrite=True)
+    assert (foreign / "mine.txt").read_text() == "keep me"
+    out = tmp_path / "profile"
+    profile_training(tiny_config(prepared, tmp_path / "unused"), steps=1, out=out)
+    profile_training(tiny_config(prepared, tmp_path / "unused"), steps=1, out=out, overwrite=True)
+    assert json.loads((out / "summary.json").read_text())["steps"] == 1
