@@ -54,9 +54,10 @@ GATED = {
     "dense.hstu_vs_transformer_1024": (True, None),
     "data.loader_vs_pyarrow_ratio": (True, None),
     "serve.mfalcon_speedup": (True, 10.0),
-    "serve.p99_ms": (False, 50.0),
 }
-"""Figures the gate watches: ratios measured side by side in one run, and sizes that do not vary."""
+"""Figures the gate watches: ratios measured side by side in one run, and sizes that do not
+vary. Absolute times (latencies, rows/s) are left out: they follow the machine's load more
+than the code."""
 
 NOISE_SPREADS = 2.0
 MIN_MARGIN = 0.02

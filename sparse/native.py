@@ -77,6 +77,7 @@ _SIGNATURES = {
     "clock_victims": ([_P, _P, _P, _I, _P, _I, _I, _I, _P], _I),
     "expired_slots": ([_P, _P, _I, _I, _I, _I, _P, _I, _P], _I),
     "lowest_rows": ([_P, _I, _I, _I, _P, _P], _I),
+    "slab_rows_copy": ([_P, _I, _I, _P, _I, _P, _I], None),
 }
 
 
@@ -238,6 +239,15 @@ def clock_victims(tier, ref_S: torch.Tensor, hand: torch.Tensor, k: int, step: i
     m = _lib.clock_victims(tier.ids.slabs[0].data_ptr(), tier.meta.slabs[0].data_ptr(), ref_S.data_ptr(),
                            tier.capacity, hand.data_ptr(), k, step, ref_max, out.data_ptr())
     return out[:m]
+
+
+def slab_rows_copy(slab_addrs: torch.Tensor, slab_rows: int, slots_N: torch.Tensor, buf: torch.Tensor,
+                   scatter: bool) -> None:
+    """Rows at `slots_N` of a multi-slab array into `buf` [N, ...] (or `buf` into them,
+    `scatter`), in one native call (see csrc/store.c). The caller checks dtypes and shapes."""
+    row_bytes = buf[0].numel() * buf.element_size() if buf.shape[0] else 0
+    load().slab_rows_copy(slab_addrs.data_ptr(), slab_rows, row_bytes, slots_N.data_ptr(), slots_N.numel(),
+                          buf.data_ptr(), int(scatter))
 
 
 def lowest_rows(tiers: torch.Tensor, k: int, lfu: bool, open_from: int) -> tuple[torch.Tensor, torch.Tensor]:

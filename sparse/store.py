@@ -96,7 +96,7 @@ class TableStore:
             Tier("device", self.width, cfg.device_rows, device),
             Tier("host", self.width, cfg.host_rows, cpu),
             Tier("ssd", self.width, None, cpu, path_prefix=os.path.join(ssd_dir, f"tier.g{generation}"),
-                 slab_rows=slab_rows, unlink_files=unlink_slabs),
+                 slab_rows=slab_rows, unlink_files=unlink_slabs, native_io=kernels == "native"),
         ]
         # When the device tier is process memory too (CPU), a host hit is as fast as a
         # device hit: leave it in place instead of moving it up and another row down

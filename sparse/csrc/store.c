@@ -518,3 +518,25 @@ int64_t lowest_rows(const int64_t *tvd, int64_t k, int64_t lfu, int64_t open_fro
     free(h);
     return n;
 }
+
+/* ------------------------------------------------------------------------- slab rows */
+
+/* Gather (dir = 0: out[i] = slab row at slots[i]) or scatter (dir = 1: the slab row at
+ * slots[i] = buf[i]) rows of `row_bytes` bytes across a slab array: `slabs` holds the
+ * address of each slab of `slab_rows` rows. One call for any number of slabs, where a
+ * per-slab loop in Python cost about 12 us per slab touched. */
+void slab_rows_copy(const int64_t *slabs, int64_t slab_rows, int64_t row_bytes, const int64_t *slots, int64_t n,
+                    char *buf, int64_t dir) {
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            int64_t s = slots[i + AHEAD];
+            __builtin_prefetch((const char *)(intptr_t)slabs[s / slab_rows] + (s % slab_rows) * row_bytes);
+        }
+        int64_t s = slots[i];
+        char *row = (char *)(intptr_t)slabs[s / slab_rows] + (s % slab_rows) * row_bytes;
+        if (dir)
+            memcpy(row, buf + i * row_bytes, (size_t)row_bytes);
+        else
+            memcpy(buf + i * row_bytes, row, (size_t)row_bytes);
+    }
+}
