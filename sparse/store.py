@@ -20,9 +20,9 @@ gather in one call), the fused optimizer step, CLOCK victims and the TTL sweep i
 Both give the same rows, state and metadata bit for bit (tests/sparse/test_sparse_native.py).
 
 Index memory at scale (native). An entry is 8 bytes (22 fingerprint bits + location) in
-256 independently growing segments kept 68-85% full: 9.4-11.8 bytes per row, measured
-10.3 on 500K rows (`genrec bench sparse`), and a growth holds one segment twice (under
-1% more at its peak). 1B rows on a rank: about 11 GB of index in DRAM, beside 8 GB of id
+256 independently growing segments kept 68-85% full while a table grows (60% while it
+churns): 9.4-13.3 bytes per row, measured 10.3 on 500K rows (`genrec bench sparse`), and
+a rebuild holds one segment twice (under 1% more at its peak). 1B rows on a rank: about 11 GB of index in DRAM, beside 8 GB of id
 slabs and 24 GB of metadata that live with the rows in their tier (for SSD rows: in
 mapped files, paged by the kernel). A lookup confirms a fingerprint match against the
 id slab, so SSD-resident ids cost a page-cache read; locations have 40 slot bits per tier
