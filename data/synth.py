@@ -25,11 +25,13 @@ short-term sequential signal: a model that sees the history (what was clicked, a
 can use it; a popularity model cannot. A click converts with a probability driven by the
 same affinity. One row per impression:
 
-    user_id ts item_id action advertiser_id campaign_id category_id slot device click conversion
-    int64   int64 int64 int64  int64        int64       int64       int64 int64 int8  int8
+    user_id ts item_id action advertiser_id campaign_id category_id slot device click conversion p_click p_click_static
+    int64   int64 int64 int64  int64        int64       int64       int64 int64 int8  int8       float32 float32
 
 `action` is the deepest engagement of that impression (0 impression, 1 click, 2 conversion);
-`click`/`conversion` repeat it as 0/1 labels. `synth_manifest.json` records the planted
+`click`/`conversion` repeat it as 0/1 labels; `p_click` is the planted click probability of
+the impression and `p_click_static` the same without its sequential terms (`emit_truth`, on by
+default: `genrec eval` shows the oracle they make beside the model). `synth_manifest.json` records the planted
 truth measured on a sample: the click AUC of the oracle probability, of the oracle without
 its sequential terms, and of popularity baselines (each ad's global CTR; its impression
 count). The oracle/popularity gap is the headroom a sequence model can claim.
@@ -386,13 +388,14 @@ def _validate(num_users: int, num_items: int, num_events: int, events_per_file: 
 
 def synthesize(out_dir: str | os.PathLike, *, num_users: int, num_items: int, num_events: int, seed: int,
                events_per_file: int = 1_000_000, overwrite: bool = False, config: SynthConfig | None = None,
-               emit_truth: bool = False, progress: bool = True) -> dict:
+               emit_truth: bool = True, progress: bool = True) -> dict:
     """Write a synthetic ad log of exactly `num_events` impressions by `num_users` users over
     `num_items` ads as `out_dir/part-NNNNN.parquet` plus `out_dir/synth_manifest.json`.
 
     Each part holds whole users (about `events_per_file` events), rows sorted by time.
-    `emit_truth` adds float32 columns `p_click` (the oracle click probability) and
-    `p_click_static` (the oracle without its sequential terms). Raises ValueError on
+    `emit_truth` (default) adds float32 columns `p_click` (the oracle click probability) and
+    `p_click_static` (the oracle without its sequential terms); prepare ignores them, the
+    evaluation's oracle baseline reads them. Raises ValueError on
     non-positive counts or a non-empty `out_dir` without `overwrite`. Returns the manifest
     plus `seconds` and `events_per_s`.
     """

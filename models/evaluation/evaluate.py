@@ -24,8 +24,11 @@ row's last event is the held-out target, everything before it the user's history
 - Baselines in the same table: most-popular items (the prepared data's train counts) for
   retrieval and, through its popularity order, ranking AUC / GAUC (its log loss, NE and
   calibration would mean nothing, so the report leaves them out, and their comparisons
-  too). `compare` evaluates a second checkpoint on the same rows in the same order and adds
-  a paired bootstrap of the differences.
+  too). For the ranking tasks, on the same candidates: `ad rate` (each ad's label rates in
+  the train split) and, when the source logs carry `genrec synth`'s planted `p_click`,
+  `oracle` for the click task (`models/evaluation/baselines.py`). `compare` evaluates a
+  second checkpoint on the same rows in the same order and adds a paired bootstrap of the
+  differences.
 - Bootstrap CIs (users resampled) of the headline figures, and of HR@10 / NDCG@10 in every
   retrieval slice (`slices.retrieval.<column>.<value>.ci.<metric>`), deterministic for `seed`.
 
@@ -57,6 +60,7 @@ from genrec.data.config import FeatureSpec
 from genrec.data.files import sha256_file
 from genrec.data.loader import LoaderConfig, make_loader
 from genrec.data.prepare import load_manifest
+from genrec.models.evaluation.baselines import AD_RATE, ORACLE, ORACLE_TASK, AdRateScorer, OracleScorer
 from genrec.models.evaluation.metrics import (
     RankingMetrics,
     RetrievalMetrics,
@@ -448,6 +452,13 @@ def run_evaluation(
     popularity = PopularityScorer(train_counts_N)
     bucket_N = popularity_buckets(train_counts_N)
     pop_acc = _new_accumulators(list(data_features.labels), columns)
+    # Click-task yardsticks on the same candidates: each ad's train rate, and the planted
+    # oracle when the logs are synthetic with their truth column (data.synth).
+    ad_rate = AdRateScorer(data_dir, data_features.item, list(data_features.labels)) if data_features.labels else None
+    oracle = (OracleScorer.from_prepared(manifest, data_features.user_key, data_features.timestamp, data_features.item)
+              if ORACLE_TASK in data_features.labels else None)
+    ad_rate_acc = RankingMetrics(tasks=list(data_features.labels)) if ad_rate is not None else None
+    oracle_acc = RankingMetrics(tasks=[ORACLE_TASK]) if oracle is not None else None
 
     # The whole history of every row (max_seq_len unbounded): the seen-item filter and the
     # slices need it; each model's window is cut from it below.
@@ -493,6 +504,15 @@ def run_evaluation(
             pop_probs_CL = pop_probs_C[:, None].expand(-1, len(data_features.labels))
             pop_acc[2].update(cand_users_C, pop_probs_CL, rows.labels_CL)
             pop_acc[3].update(ranking_slices, cand_users_C, pop_probs_CL, rows.labels_CL)
+        if ad_rate_acc is not None:
+            ad_rate_acc.update(cand_users_C, ad_rate.probs(rows.candidates[data_features.item]), rows.labels_CL)
+        if oracle_acc is not None:
+            oracle_C1 = oracle.probs(cand_users_C, rows.candidates[TS], rows.candidates[data_features.item])
+            if oracle_C1 is None:  # candidates missing from the logs: no oracle row rather than a partial one
+                oracle, oracle_acc = None, None
+            else:
+                oracle_acc.update(cand_users_C, oracle_C1,
+                                  rows.labels_CL[:, [data_features.labels.index(ORACLE_TASK)]])
         bar.update(batch.batch_size)
     bar.close()
 
@@ -505,6 +525,9 @@ def run_evaluation(
     vs_popularity = compare_models(main.retrieval, pop_acc[0], main.ranking, pop_acc[2], **boot)
     report["comparisons"] = {POPULARITY: {k: v for k, v in vs_popularity.items()
                                           if k.rsplit(".", 1)[-1] not in NOT_FOR_ORDER_ONLY}}
+    for label, acc in ((AD_RATE, ad_rate_acc), (ORACLE, oracle_acc)):
+        if acc is not None:
+            report["baselines"][label] = {"ranking": acc.compute()}
     for other in models[1:]:
         report["baselines"][other.name] = _section(other.retrieval, other.retrieval_slices, other.ranking,
                                                    other.ranking_slices, **boot)

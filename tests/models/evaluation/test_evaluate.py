@@ -74,7 +74,53 @@ def test_report_has_headline_keys_baseline_slices_and_plots(report):
     assert names == ["calibration.png", "category_id.png", "history_length.png", "item_popularity.png",
                      "report.json", "report.md"]
     md = (out / "report.md").read_text()
-    assert "| metric | run | 95% CI | popularity |" in md and "## run minus popularity" in md
+    assert "| metric | run | 95% CI | popularity | ad rate | oracle |" in md and "## run minus popularity" in md
+
+
+def _column(split_dir: Path, name: str) -> list[list]:
+    return [v for part in sorted(split_dir.glob("*.parquet")) for v in pq.read_table(part).column(name).to_pylist()]
+
+
+def test_click_baselines_score_the_models_candidates_by_ad_rate_and_planted_truth(trained, report, tmp_path):
+    """The ad-rate and oracle rows score exactly the candidates the model is scored on (each
+    test row's last two events): recomputed here from the train split and the synth log."""
+    from genrec.data.synth import click_auc
+
+    got, _ = report
+    run, data = trained
+    logs = data.parent / "logs"
+    truth = {}
+    for part in sorted(logs.glob("*.parquet")):
+        t = pq.read_table(part, columns=["user_id", "ts", "item_id", "p_click"]).to_pydict()
+        truth.update(zip(zip(t["user_id"], t["ts"], t["item_id"]), t["p_click"]))
+    impressions, clicks = {}, {}
+    for items, labels in zip(_column(data / "train", "item_id"), _column(data / "train", "click")):
+        for item, label in zip(items, labels):
+            impressions[item] = impressions.get(item, 0) + 1
+            clicks[item] = clicks.get(item, 0) + label
+    mean = sum(clicks.values()) / sum(impressions.values())
+    oracle, rate, labels = [], [], []
+    test = {c: _column(data / "test", c) for c in ("user_id", "ts", "item_id", "click")}
+    for user, ts, items, click in zip(test["user_id"], test["ts"], test["item_id"], test["click"]):
+        for j in (-2, -1):
+            oracle.append(truth[user, ts[j], items[j]])
+            rate.append((clicks.get(items[j], 0) + 20 * mean) / (impressions.get(items[j], 0) + 20))
+            labels.append(click[j])
+    assert got["baselines.oracle.ranking.click.count"] == got["ranking.click.count"] == len(labels)
+    assert got["baselines.oracle.ranking.click.auc"] == pytest.approx(click_auc(np.array(oracle), np.array(labels)))
+    assert got["baselines.ad rate.ranking.click.auc"] == pytest.approx(click_auc(np.array(rate), np.array(labels)))
+    assert got["baselines.ad rate.ranking.click.logloss"] is not None  # a probability: its log loss means something
+
+    # The same events logged without the truth columns: no oracle row, everything else the same.
+    synthesize(tmp_path / "logs", num_users=80, num_items=200, num_events=4000, seed=5, progress=False,
+               emit_truth=False)
+    cfg = tiny_config(tmp_path / "data", tmp_path / "run")
+    prepare(tmp_path / "logs", tmp_path / "data", cfg.data.features, cfg.data.prepare.split, num_shards=2,
+            row_group_users=16, progress=False)
+    plain = _evaluate(run, tmp_path / "data", tmp_path / "eval")
+    assert not any(k.startswith("baselines.oracle.") for k in plain)
+    assert plain["baselines.ad rate.ranking.click.auc"] == got["baselines.ad rate.ranking.click.auc"]
+    assert plain["ranking.click.auc"] == got["ranking.click.auc"]
 
 
 def test_popularity_has_no_probability_figures_and_slices_have_cis(report):
@@ -90,7 +136,8 @@ def test_popularity_has_no_probability_figures_and_slices_have_cis(report):
         assert f"ranking.{task}.logloss" in got and f"comparisons.popularity.ranking.{task}.logloss.diff" not in got
     md = (out / "report.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| ranking.click.logloss |"))
-    assert row.rstrip().endswith("| — |"), row  # the popularity column
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    assert cells[3] == "—" and cells[4] != "—", row  # popularity has no log loss, the ad rate has one
     section = md.split("## run minus popularity", 1)[1].split("\n## ", 1)[0]
     assert "logloss" not in section and "ranking.click.gauc" in section
     assert "e-0" not in section  # p-values at the bootstrap floor read "< 0.005" (200 resamples)
