@@ -34,18 +34,19 @@ def test_baseline_records_each_figures_spread(baseline):
 
 
 def test_the_baseline_runs_pass_and_noise_inside_the_spread_passes(baseline):
-    for hot in (0.72, 0.80, 0.60):  # 0.60 is within two spreads (0.16) below the min
+    for hot in (0.72, 0.80, 0.48):  # 0.48 is within the margin (35% of the median) below the min
         assert benchgate.check(_result(hot), baseline)[0] == "pass"
 
 
 def test_a_doctored_regression_fails_naming_the_figure(baseline):
-    verdict, lines = benchgate.check(_result(0.50), baseline)
+    verdict, lines = benchgate.check(_result(0.40), baseline)
     assert verdict == "fail"
     assert any(line.startswith("FAIL") and "sparse.hot_path_ratio:" in line and "regression" in line for line in lines)
 
 
-def test_a_figure_that_never_varied_is_held_to_its_target_exactly(baseline):
-    verdict, lines = benchgate.check(_result(0.75, index_bytes=16.5), baseline)
+def test_a_figure_that_never_varied_is_held_to_its_target(baseline):
+    assert benchgate.check(_result(0.75, index_bytes=12.0), baseline)[0] == "pass"  # within the floor
+    verdict, lines = benchgate.check(_result(0.75, index_bytes=20.0), baseline)
     assert verdict == "fail" and any("index_bytes_per_row" in line and "FAIL" in line for line in lines)
 
 
@@ -93,7 +94,7 @@ def test_every_bench_module_loads_and_finds_its_files():
             assert path is None or Path(path).exists(), f"bench {name}: {attr} {path} does not exist"
 
 
-@pytest.mark.parametrize("hots, code", [([0.3, 0.3], 1), ([0.3, 0.75], 0), ([0.75], 0), ([0.3, None, None, None], 0)])
+@pytest.mark.parametrize("hots, code", [([0.2, 0.2], 1), ([0.2, 0.75], 0), ([0.75], 0), ([0.2, None, None, None], 0)])
 def test_the_gate_fails_only_when_a_failure_repeats(monkeypatch, tmp_path, baseline, hots, code):
     """The gate's control flow, with `bench all` replaced by prepared results (None: the
     machine is loaded at that try) so it runs in milliseconds; `check` is the real one."""
