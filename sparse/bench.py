@@ -31,6 +31,7 @@ import gc
 import os
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -97,9 +98,7 @@ def _train_step(tec, ids: torch.Tensor) -> None:
 
 
 def _spread(values: list[float]) -> dict:
-    v = sorted(values)
-    return {"median": v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2,
-            "min": v[0], "max": v[-1], "n": len(v)}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def _timed(fn) -> float:

@@ -166,11 +166,13 @@ class TableStore:
             return meta_N3[:, META_FREQ] * (1 << 31) + meta_N3[:, META_LAST_ACCESS]
         return meta_N3[:, META_LAST_ACCESS]
 
+    def _open_from(self) -> int:
+        """Rows looked up at or after this lookup count belong to the step whose backward
+        has not run yet (none when the last step is done): they are never dropped."""
+        return 1 << 62 if self.step_done else self.window_start
+
     def _in_open_step(self, meta_N3: torch.Tensor) -> torch.Tensor:
-        """Rows looked up in the step whose backward has not run yet: never dropped."""
-        if self.step_done:
-            return torch.zeros(meta_N3.shape[0], dtype=torch.bool)
-        return meta_N3[:, META_LAST_ACCESS] >= self.window_start
+        return meta_N3[:, META_LAST_ACCESS] >= self._open_from()
 
     # ---------------------------------------------------------------- placement
     def _victims(self, t: int, k: int) -> torch.Tensor:
@@ -219,7 +221,8 @@ class TableStore:
                 return
         slots_N = tier.alloc(n)
         tier.write(slots_N, ids_N, rows_NW, meta_N3)
-        if t < 2:  # CLOCK: rows of this lookup arrive with their count (capped), demoted ones with 0
+        # CLOCK (native victims): rows of this lookup arrive with their count (capped), demoted ones with 0.
+        if self.native and t < 2:
             fresh_N = meta_N3[:, META_LAST_ACCESS] >= self.step
             self.clock_ref[t][slots_N] = (meta_N3[:, META_FREQ].clamp(max=self.clock_max) * fresh_N).to(torch.uint8)
         self._set_loc(ids_N, slots_N, t)
@@ -252,9 +255,8 @@ class TableStore:
         dropped = 0
         self.pending.expire(now)
         if self.native:
-            open_from = self.window_start if not self.step_done else 1 << 62
             for t, tier in enumerate(self.tiers):
-                for slots_M in native.expired_slots(tier, now - self.cfg.ttl_seconds, open_from):
+                for slots_M in native.expired_slots(tier, now - self.cfg.ttl_seconds, self._open_from()):
                     self._remove(tier.ids.gather(slots_M).squeeze(1), torch.full_like(slots_M, t), slots_M)
                     dropped += int(slots_M.numel())
             self.last_sweep = now
@@ -278,8 +280,8 @@ class TableStore:
         # every tier on every step.
         excess = self.num_rows - cap + cap // 64
         if self.native:  # one scan with a heap of `excess` rows, no table-sized temporaries
-            open_from = self.window_start if not self.step_done else 1 << 62
-            loc_K, ids_K = native.lowest_rows(self._tier_view(), excess, self.cfg.cache_policy == "lfu", open_from)
+            loc_K, ids_K = native.lowest_rows(self._tier_view(), excess, self.cfg.cache_policy == "lfu",
+                                              self._open_from())
             self._remove(ids_K, loc_K & 3, loc_K >> 2)
             return
         parts = [(t, *tier.used_slots()) for t, tier in enumerate(self.tiers)]
@@ -325,7 +327,7 @@ class TableStore:
         expire_before = now - ttl if ttl is not None and now is not None else native.NO_EXPIRY
         r = torch.ops.genrec_sparse.fwd_lookup(
             self._tier_view(), self.index.handle, ids_N.contiguous(), counts_N, serve, expire_before,
-            self.window_start, self.step, inv_N, uniq_N, cnt_N, loc_N, out_ND, *self.clock_ref, self.clock_max)
+            self._open_from(), self.step, inv_N, uniq_N, cnt_N, loc_N, out_ND, *self.clock_ref, self.clock_max)
         if r < -n - 1:
             raise MemoryError("genrec.sparse: the fused lookup could not allocate its scratch table")
         u = r if r >= 0 else -r - 1
@@ -413,9 +415,10 @@ class TableStore:
             here = (stay & (tier_A == t)).nonzero().squeeze(1)
             if here.numel():
                 self.tiers[t].meta.scatter(slot_U[ws[here]], meta_A3[here])
-                slots = slot_U[ws[here]]
-                ref = self.clock_ref[t][slots].long() + counts_U[ws[here]]
-                self.clock_ref[t][slots] = ref.clamp(max=self.clock_max).to(torch.uint8)
+                if self.native:  # the reference picks victims by exact order, not CLOCK
+                    slots = slot_U[ws[here]]
+                    ref = self.clock_ref[t][slots].long() + counts_U[ws[here]]
+                    self.clock_ref[t][slots] = ref.clamp(max=self.clock_max).to(torch.uint8)
         up = (~stay).nonzero().squeeze(1)
         self._promote(ids_U[ws[up]], tier_A[up], slot_U[ws[up]], rows_AW[up.to(self.device)], meta_A3[up])
         self._enforce_max_rows()
