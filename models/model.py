@@ -67,10 +67,12 @@ class ModelConfig:
     """Loss weight per ranking task."""
     ranking_hidden_dim: int = 64
     """Hidden width of each task's MLP."""
-    ranking_head_input: Literal["state", "state_and_token"] = "state"
-    """What the task MLP reads: the candidate's tower state, or the state concatenated with
-    the candidate's own token (a wide path: per-ad and per-context effects reach the head
-    directly, as the sparse features do in DLRM-style rankers)."""
+    ranking_head_input: Literal["state", "state_and_token", "cross"] = "state"
+    """What the task MLP reads: the candidate's tower state; "state_and_token": the state
+    concatenated with the candidate's own token (a wide path: per-ad and per-context effects
+    reach the head directly, as the sparse features do in DLRM-style rankers); "cross": those
+    two and their elementwise product (the user-ad affinity as a feature: an MLP learns a dot
+    product slowly)."""
 
 
 def _normalize(x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +160,7 @@ class GenerativeRecommender(nn.Module):
         self.label_index = [features.labels.index(t) for t in cfg.ranking_tasks] if cfg.ranking else []
         self.task_heads = None
         if cfg.ranking:
-            head_in = 2 * dim if cfg.ranking_head_input == "state_and_token" else dim
+            head_in = {"state": 1, "state_and_token": 2, "cross": 3}[cfg.ranking_head_input] * dim
             self.task_heads = nn.Sequential(
                 nn.Linear(head_in, cfg.ranking_hidden_dim), nn.SiLU(), nn.Linear(cfg.ranking_hidden_dim, len(cfg.ranking_tasks))
             )
@@ -262,6 +264,13 @@ class GenerativeRecommender(nn.Module):
             return (neg_rows.sum() + states_TD.sum() + item_rows_TD.sum()) * 0.0
         query = _normalize(states_TD[src])
         target_ids = item_ids_T[tgt]
+        if cfg.negatives == "full" and not cfg.in_batch_negatives:
+            # Every target is a corpus row: one cross-entropy over the corpus is the softmax of
+            # [positive, every other item] without a second copy of the logits to mask.
+            target_pos, known = sorted_positions(self.item_corpus.to(device), target_ids)
+            if bool(known.all()):
+                logits = (query @ _normalize(neg_rows).T) / cfg.temperature
+                return F.cross_entropy(logits, target_pos)
         positive = _normalize(item_rows_TD[tgt])
         pos_logit = (query * positive).sum(-1, keepdim=True)
         logits = [pos_logit]
@@ -287,9 +296,12 @@ class GenerativeRecommender(nn.Module):
 
     def head_input(self, cand_states_CD: torch.Tensor, cand_tokens_CD: torch.Tensor) -> torch.Tensor:
         """What the task heads read for each candidate (`model.ranking_head_input`)."""
-        if self.cfg.ranking_head_input == "state_and_token":
-            return torch.cat([cand_states_CD, cand_tokens_CD.to(cand_states_CD.dtype)], dim=-1)
-        return cand_states_CD
+        mode = self.cfg.ranking_head_input
+        if mode == "state":
+            return cand_states_CD
+        tokens = cand_tokens_CD.to(cand_states_CD.dtype)
+        parts = [cand_states_CD, tokens] + ([cand_states_CD * tokens] if mode == "cross" else [])
+        return torch.cat(parts, dim=-1)
 
     def ranking_logits(self, cand_states_CD: torch.Tensor) -> torch.Tensor:
         return self.task_heads(cand_states_CD).float()

@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="synthesize -> prepare -> train -> export -> eval -> one query")
     p.add_argument("--out", default="demo", help="working directory of the demo")
     p.add_argument("--overwrite", action="store_true", help="start over in an existing --out")
-    p.add_argument("--steps", type=int, default=300, help="training steps")
+    p.add_argument("--steps", type=int, help="training steps (default: configs/demo.toml's train.max_steps)")
     return parser
 
 

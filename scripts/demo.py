@@ -18,7 +18,7 @@ def _say(message: str) -> None:
     print(f"\n== {message}", file=sys.stderr, flush=True)
 
 
-def run_demo(out: str | Path, *, overwrite: bool = False, steps: int = 300) -> dict:
+def run_demo(out: str | Path, *, overwrite: bool = False, steps: int | None = None) -> dict:
     from genrec.data.files import atomic_write_json, claim_output_dir
     from genrec.data.prepare import prepare
     from genrec.data.synth import synthesize
@@ -32,11 +32,12 @@ def run_demo(out: str | Path, *, overwrite: bool = False, steps: int = 300) -> d
     out = claim_output_dir(out, overwrite=overwrite, manifest=DEMO_MANIFEST)
     if out.exists():
         shutil.rmtree(out)  # empty, or a demo folder (its manifest says so)
+    overrides = [f'data.path="{out / "data"}"', f'train.out_dir="{out / "run"}"']
+    if steps is not None:
+        overrides += [f"train.max_steps={steps}", f"train.checkpoint_every={max(steps // 2, 1)}"]
+    cfg = load_config(JobConfig, CONFIG, overrides)
+    steps = cfg.train.max_steps
     atomic_write_json(out / DEMO_MANIFEST, {"format": "genrec.demo/1", "steps": steps})
-    cfg = load_config(JobConfig, CONFIG, [
-        f'data.path="{out / "data"}"', f'train.out_dir="{out / "run"}"', f"train.max_steps={steps}",
-        f"train.checkpoint_every={max(steps // 2, 1)}",
-    ])
 
     _say("1/6 synthesize an ad log (3,000 users, 5,000 ads, 300,000 impressions)")
     synthesize(out / "logs", num_users=3000, num_items=5000, num_events=300_000, seed=0)

@@ -17,12 +17,15 @@ INT8_PROB_TOLERANCE = 0.01
 """Stated int8 tolerance: max |p_int8 - p_fp32| per candidate and task (measured ~2e-3)."""
 
 
-@pytest.fixture(scope="module", params=["sum", "concat", "sum+wide"])
+HEAD_INPUTS = {"": "state", "wide": "state_and_token", "cross": "cross"}
+
+
+@pytest.fixture(scope="module", params=["sum", "concat", "sum+wide", "concat+cross"])
 def setup(request, tmp_path_factory):
-    combine, _, wide = request.param.partition("+")
+    combine, _, head = request.param.partition("+")
     model, item_ids, feats = build_synthetic_model(num_items=NUM_ITEMS, dim=16, max_seq_len=128,
                                                    token_combine=combine, seed=3,
-                                                   ranking_head_input="state_and_token" if wide else "state")
+                                                   ranking_head_input=HEAD_INPUTS[head])
     root = tmp_path_factory.mktemp(f"serving_{request.param}")
     rankers = {}
     for dtype in ("fp32", "int8"):
