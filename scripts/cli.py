@@ -102,12 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_out", help="write the figures here")
     p.add_argument("--quick", action="store_true", help="small sizes, under a minute")
 
-    p = sub.add_parser("profile", help="profile training steps: Chrome trace, TensorBoard profile, summary.md")
-    p.add_argument("target", choices=["train"])
-    _add_config_args(p, required=True)
-    p.add_argument("--steps", type=int, default=20, help="profiled steps (after one warm-up step)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier profile in --out")
+    p = sub.add_parser("profile", help="profile training, the store or serving: Chrome trace, TensorBoard, summary.md")
+    p.add_argument("target", choices=["train", "sparse", "serve"])
+    _add_config_args(p)  # train, sparse: --config; serve: --artifact and --data
+    for name, what in (("artifact", "an exported artifact"), ("data", "prepared data; its test users make the requests")):
+        p.add_argument(f"--{name}", help=f"serve: {what}")
+    p.add_argument("--steps", type=int, default=20, help="profiled steps or requests (after one warm-up)")
+    p.add_argument("--out", required=True), p.add_argument("--overwrite", action="store_true", help="replace an earlier profile")
 
     p = sub.add_parser("demo", help="synthesize -> prepare -> train -> export -> eval -> one query")
     p.add_argument("--out", default="demo", help="working directory of the demo")

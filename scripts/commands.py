@@ -106,10 +106,17 @@ def demo(args: argparse.Namespace) -> int:
 def profile(args: argparse.Namespace) -> int:
     from genrec.models.config import JobConfig
     from genrec.models.config_loader import load_config
-    from genrec.models.train.profile import profile_training
+    from genrec.models.train import profile as prof
 
-    summary = profile_training(load_config(JobConfig, args.config, args.overrides), args.steps, args.out,
-                               overwrite=args.overwrite)
+    needs = ["artifact", "data"] if args.target == "serve" else ["config"]
+    missing = [f"--{n}" for n in needs if getattr(args, n) is None]
+    if missing:
+        raise SystemExit(f"genrec profile {args.target}: needs {' and '.join(missing)}")
+    if args.target == "serve":
+        summary = prof.profile_serving(args.artifact, args.data, args.steps, args.out, overwrite=args.overwrite)
+    else:
+        run = prof.profile_training if args.target == "train" else prof.profile_sparse
+        summary = run(load_config(JobConfig, args.config, args.overrides), args.steps, args.out, overwrite=args.overwrite)
     print(f"wrote {args.out}/summary.md, trace.json and tensorboard/ ({summary['step_ms']:.1f} ms per step)")
     return 0
 

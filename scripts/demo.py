@@ -27,6 +27,7 @@ def run_demo(out: str | Path, *, overwrite: bool = False, steps: int | None = No
     from genrec.models.evaluation.evaluate import run_evaluation
     from genrec.models.serving.export import export_checkpoint
     from genrec.models.serving.ranker import load_artifact
+    from genrec.models.serving.requests import split_requests
     from genrec.models.train.trainer import run_training
 
     out = claim_output_dir(out, overwrite=overwrite, manifest=DEMO_MANIFEST)
@@ -51,23 +52,10 @@ def run_demo(out: str | Path, *, overwrite: bool = False, steps: int | None = No
     report = run_evaluation(out / "run", out / "data", split="test", out_dir=out / "report")
     _say("6/6 one ranking query through the serving path")
     ranker = load_artifact(artifact)
-    history = _first_test_history(out / "data", cfg)
+    history = split_requests(out / "data", cfg.data.features, 1)[0]
     answer = ranker.rank({**history, "k": 100, "n": 5, "exclude_seen": True})
     print(json.dumps(answer, indent=2))
     summary = json.loads((report / "report.json").read_text())
     headline = {k: summary[k] for k in ("retrieval.hr@10", "retrieval.ndcg@10", "ranking.click.auc") if k in summary}
     print(f"\ndemo done in {out}: report {report / 'report.md'}, artifact {artifact}; {headline}")
     return {"report": summary, "answer": answer}
-
-
-def _first_test_history(data: Path, cfg) -> dict:
-    """The history of the first test user, as a request."""
-    import pyarrow.parquet as pq
-
-    spec = cfg.data.features
-    part = sorted((data / "test").glob("*.parquet"))[0]
-    row = pq.read_table(part).slice(0, 1).to_pylist()[0]
-    return {
-        "item_ids": row[spec.item][:-1], "actions": row[spec.action][:-1], "timestamps": row[spec.timestamp][:-1],
-        "features": {f: row[f][:-1] for f in spec.sparse if f not in (spec.item, spec.action)},
-    }

@@ -29,6 +29,7 @@ import resource
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
@@ -36,19 +37,16 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 from genrec.data.files import atomic_write_text, claim_output_dir
 from genrec.models.config import JobConfig
 
-STAGES = ("genrec.data", "genrec.sparse_forward", "genrec.tower", "genrec.loss", "genrec.backward",
-          "genrec.optimizer", "genrec.checkpoint")
 SPARSE_BACKWARD = "_FusedLookupBackward"
+TRAIN_STAGES = ("genrec.data", "genrec.sparse_forward", "genrec.tower", "genrec.loss", "genrec.backward",
+                "genrec.optimizer", SPARSE_BACKWARD)
+SPARSE_STAGES = ("genrec.data", "genrec.sparse_forward", "genrec.sparse_backward")
+SERVE_STAGES = ("genrec.serve.history", "genrec.serve.encode", "genrec.serve.retrieve", "genrec.serve.rank",
+                "genrec.serve.respond")
 PROFILE_FORMAT = "genrec.profile/1"
 
 
-def profile_training(cfg: JobConfig, steps: int, out: str | Path, overwrite: bool = False) -> dict:
-    """Profile `steps` training steps (after one warm-up step) and one checkpoint; returns
-    the summary written to OUT/summary.json."""
-    from genrec.models.ranks import single_process
-    from genrec.models.train.bench import _tower_flops, matmul_peak_gflops
-    from genrec.models.train.trainer import Trainer, _Prefetcher
-
+def _start(out: str | Path, steps: int, overwrite: bool) -> Path:
     if steps < 1:
         raise ValueError(f"genrec profile: --steps must be >= 1, got {steps}")
     out = Path(out)
@@ -56,46 +54,137 @@ def profile_training(cfg: JobConfig, steps: int, out: str | Path, overwrite: boo
     if overwrite and out.exists():
         shutil.rmtree(out)  # claim_output_dir checked that it is an earlier profile's output
     out.mkdir(parents=True, exist_ok=True)
-    cfg = copy.deepcopy(cfg)
-    cfg.train.out_dir = str(out / "run")
-    cfg.train.max_steps, cfg.train.num_epochs = steps + 1, None
-    cfg.train.checkpoint_every, cfg.train.eval_every, cfg.train.eval_every_epochs = 10**9, 0, 0
-    trainer = Trainer(cfg, single_process())
-    batches = _Prefetcher(trainer.loader, enabled=False)
-    flops, step_seconds = 0.0, []
+    return out
+
+
+def _profiled(out: Path, steps: int, step: Callable[[int], None]) -> tuple[profile, list[float]]:
+    """Run step(0) (warm-up) .. step(steps) under the profiler; the Chrome trace goes to
+    OUT/trace.json, the TensorBoard profile to OUT/tensorboard; returns the profiler and
+    the profiled steps' wall seconds."""
     tb_dir = out / "tensorboard"
+    seconds: list[float] = []
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                  schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
                  on_trace_ready=tensorboard_trace_handler(str(tb_dir))) as prof:
         for i in range(steps + 1):
             t0 = time.perf_counter()
-            with record_function("genrec.data"):
-                batch, loader_state = batches.next()
-            trainer.train_step(batch)
-            trainer.step += 1
+            step(i)
             if i:
-                step_seconds.append(time.perf_counter() - t0)
-                flops += _tower_flops(cfg, batch)
+                seconds.append(time.perf_counter() - t0)
             prof.step()
-    with record_function("genrec.checkpoint"):
-        t0 = time.perf_counter()
-        trainer.save(loader_state)
-        checkpoint_s = time.perf_counter() - t0
     traces = sorted(tb_dir.glob("*.pt.trace.json"))
     if traces:
         shutil.copyfile(traces[-1], out / "trace.json")
-    summary = _summarize(prof, steps, step_seconds, flops, matmul_peak_gflops(), checkpoint_s)
-    atomic_write_text(out / "summary.json", json.dumps({"format": PROFILE_FORMAT, **summary}, indent=2) + "\n")
+    return prof, seconds
+
+
+def _write(out: Path, target: str, summary: dict) -> dict:
+    summary = {"format": PROFILE_FORMAT, "target": target, **summary}
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     atomic_write_text(out / "summary.md", _markdown(summary))
     return summary
 
 
-def _summarize(prof, steps: int, step_seconds: list[float], flops: float, peak_gflops: float,
-               checkpoint_s: float) -> dict:
+def _trainer(cfg: JobConfig, steps: int, out: Path):
+    from genrec.models.ranks import single_process
+    from genrec.models.train.trainer import Trainer, _Prefetcher
+
+    cfg = copy.deepcopy(cfg)
+    cfg.train.out_dir = str(out / "run")
+    cfg.train.max_steps, cfg.train.num_epochs = steps + 1, None
+    cfg.train.checkpoint_every, cfg.train.eval_every, cfg.train.eval_every_epochs = 10**9, 0, 0
+    trainer = Trainer(cfg, single_process())
+    return cfg, trainer, _Prefetcher(trainer.loader, enabled=False)
+
+
+def profile_training(cfg: JobConfig, steps: int, out: str | Path, overwrite: bool = False) -> dict:
+    """Profile `steps` training steps (after one warm-up step) and one checkpoint; returns
+    the summary written to OUT/summary.json."""
+    from genrec.models.train.bench import _tower_flops, matmul_peak_gflops
+
+    out = _start(out, steps, overwrite)
+    cfg, trainer, batches = _trainer(cfg, steps, out)
+    flops, last = [0.0], {}
+
+    def step(i: int) -> None:
+        with record_function("genrec.data"):
+            batch, last["loader_state"] = batches.next()
+        trainer.train_step(batch)
+        trainer.step += 1
+        if i:
+            flops[0] += _tower_flops(cfg, batch)
+
+    prof, step_seconds = _profiled(out, steps, step)
+    with record_function("genrec.checkpoint"):
+        t0 = time.perf_counter()
+        trainer.save(last["loader_state"])
+        checkpoint_s = time.perf_counter() - t0
+    summary = _summarize(prof, steps, step_seconds, TRAIN_STAGES)
+    seconds, peak = sum(step_seconds), matmul_peak_gflops()
+    summary.update(checkpoint_ms=1e3 * checkpoint_s, tower_gflops_per_s=flops[0] / seconds / 1e9,
+                   matmul_peak_gflops=peak, mfu=flops[0] / seconds / 1e9 / peak)
+    return _write(out, "train", summary)
+
+
+def profile_sparse(cfg: JobConfig, steps: int, out: str | Path, overwrite: bool = False) -> dict:
+    """The store alone on the run's own batches: each step looks up every history feature
+    (genrec.sparse_forward) and sends a gradient back through the fused update
+    (genrec.sparse_backward); no tower, no loss, no dense optimizer."""
+    from genrec.models.build import unwrap
+
+    out = _start(out, steps, overwrite)
+    _, trainer, batches = _trainer(cfg, steps, out)
+    embeddings = unwrap(trainer.model).embeddings
+    lookups = [0]
+
+    def step(i: int) -> None:
+        with record_function("genrec.data"):
+            batch, _ = batches.next()
+        if batch.num_tokens:
+            trainer.store.set_event_time(int(batch.timestamps_T.max()))
+        with record_function("genrec.sparse_forward"):
+            rows = embeddings(batch.history)
+        loss = sum(0.5 * jt.values().square().sum() for jt in rows.values())
+        with record_function("genrec.sparse_backward"):
+            loss.backward()  # d loss / d row = the row: a real update of every row looked up
+        if i:
+            lookups[0] += batch.history.values().numel()
+
+    prof, step_seconds = _profiled(out, steps, step)
+    summary = _summarize(prof, steps, step_seconds, SPARSE_STAGES)
+    summary["lookups_per_s"] = lookups[0] / sum(step_seconds)
+    return _write(out, "sparse", summary)
+
+
+def profile_serving(artifact: str | Path, data: str | Path, steps: int, out: str | Path,
+                    overwrite: bool = False, k: int = 100) -> dict:
+    """`steps` ranking requests (after one warm-up) through the in-process ranker, each the
+    history of one test-split user of the prepared `data` (minus its last event), `k`
+    candidates retrieved and ranked."""
+    from genrec.models.serving.ranker import load_artifact
+    from genrec.models.serving.requests import split_requests
+
+    out = _start(out, steps, overwrite)
+    ranker = load_artifact(artifact)
+    requests = split_requests(data, ranker.features, steps + 1)
+    if not requests:
+        raise ValueError(f"genrec profile serve: {data}/test holds no users")
+    k = min(k, ranker.max_k)
+
+    def step(i: int) -> None:
+        ranker.rank({**requests[i % len(requests)], "k": k, "n": min(10, k), "exclude_seen": True})
+
+    prof, step_seconds = _profiled(out, steps, step)
+    summary = _summarize(prof, steps, step_seconds, SERVE_STAGES)
+    summary["candidates_per_request"] = k
+    return _write(out, "serve", summary)
+
+
+def _summarize(prof, steps: int, step_seconds: list[float], stage_names: tuple[str, ...]) -> dict:
     events = {e.key: e for e in prof.key_averages()}
     step_ms = 1e3 * sum(step_seconds) / steps
     stages = []
-    for name in STAGES[:-1] + (SPARSE_BACKWARD,):
+    for name in stage_names:
         e = events.get(name)
         ms = (e.cpu_time_total / 1e3 / steps) if e is not None else 0.0
         label = "genrec.sparse_backward (inside genrec.backward)" if name == SPARSE_BACKWARD else name
@@ -107,24 +196,29 @@ def _summarize(prof, steps: int, step_seconds: list[float], flops: float, peak_g
                   and e.key != SPARSE_BACKWARD), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
     top = [{"operator": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls_per_step": e.count / steps}
            for e in ops]
-    seconds = sum(step_seconds)
     return {
-        "steps": steps, "step_ms": step_ms, "checkpoint_ms": 1e3 * checkpoint_s, "stages": stages, "top_operators": top,
+        "steps": steps, "step_ms": step_ms, "stages": stages, "top_operators": top,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "threads": torch.get_num_threads(), "tower_gflops_per_s": flops / seconds / 1e9 if seconds else 0.0,
-        "matmul_peak_gflops": peak_gflops, "mfu": flops / seconds / 1e9 / peak_gflops if seconds else 0.0,
+        "threads": torch.get_num_threads(),
     }
 
 
 def _markdown(s: dict) -> str:
-    lines = [f"# Training profile: {s['steps']} steps, {s['step_ms']:.1f} ms per step, {s['threads']} thread(s)", "",
-             "| stage | ms per step | share |", "|---|---|---|"]
+    what = {"train": "Training profile", "sparse": "Sparse store profile", "serve": "Serving profile"}[s["target"]]
+    unit = "request" if s["target"] == "serve" else "step"
+    lines = [f"# {what}: {s['steps']} {unit}s, {s['step_ms']:.1f} ms per {unit}, {s['threads']} thread(s)", "",
+             f"| stage | ms per {unit} | share |", "|---|---|---|"]
     lines += [f"| {x['stage']} | {x['ms_per_step']:.2f} | {100 * x['share']:.1f}% |" for x in s["stages"]]
-    lines += ["", f"Checkpoint (one save after the profiled steps): {s['checkpoint_ms']:.0f} ms.", "",
-              "| top operators (self time) | ms per step | calls per step |", "|---|---|---|"]
+    if "checkpoint_ms" in s:
+        lines += ["", f"Checkpoint (one save after the profiled steps): {s['checkpoint_ms']:.0f} ms."]
+    lines += ["", f"| top operators (self time) | ms per {unit} | calls per {unit} |", "|---|---|---|"]
     lines += [f"| `{x['operator']}` | {x['self_ms_per_step']:.2f} | {x['calls_per_step']:.1f} |" for x in s["top_operators"]]
-    lines += ["", f"Peak RSS {s['peak_rss_bytes'] / 2**30:.2f} GiB. Tower {s['tower_gflops_per_s']:.2f} GFLOP/s against a "
-              f"measured matmul peak of {s['matmul_peak_gflops']:.1f} GFLOP/s: MFU {s['mfu']:.3f}.", "",
-              "Open `trace.json` in chrome://tracing or https://ui.perfetto.dev, or "
+    tail = f"Peak RSS {s['peak_rss_bytes'] / 2**30:.2f} GiB."
+    if "mfu" in s:
+        tail += (f" Tower {s['tower_gflops_per_s']:.2f} GFLOP/s against a measured matmul peak of "
+                 f"{s['matmul_peak_gflops']:.1f} GFLOP/s: MFU {s['mfu']:.3f}.")
+    if "lookups_per_s" in s:
+        tail += f" {s['lookups_per_s'] / 1e6:.2f}M lookups (and their updates) per second."
+    lines += ["", tail, "", "Open `trace.json` in chrome://tracing or https://ui.perfetto.dev, or "
               "`tensorboard --logdir tensorboard` for the profiler plugin.", ""]
     return "\n".join(lines)
