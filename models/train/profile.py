@@ -1,9 +1,15 @@
-"""`genrec profile train`: where a training step's time goes.
+"""`genrec profile train|sparse|serve`: where the time of a training step, a store step
+or a ranking request goes.
 
     genrec profile train --config configs/demo.toml --set data.path=runs/data --steps 20 --out runs/profile
+    genrec profile sparse --config configs/demo.toml --set data.path=runs/data --steps 20 --out runs/profile-sparse
+    genrec profile serve --artifact runs/artifact --data runs/data --steps 50 --out runs/profile-serve
 
-runs one warm-up step and `--steps` profiled steps of the real trainer under
-`torch.profiler`, then one checkpoint, and writes to `--out`:
+`train` runs one warm-up step and `--steps` profiled steps of the real trainer under
+`torch.profiler`, then one checkpoint; `sparse` the store alone on the same batches
+(lookup, then the fused update of every row looked up); `serve` one warm-up and `--steps`
+requests through the in-process ranker, each the history of a test-split user. Each
+writes to `--out`:
 
     trace.json      Chrome trace (open in chrome://tracing or https://ui.perfetto.dev)
     tensorboard/    the same trace for TensorBoard's profiler plugin
@@ -11,14 +17,17 @@ runs one warm-up step and `--steps` profiled steps of the real trainer under
     summary.md      per-stage table (ms per step, share of the step), top operators by
                     self time, peak memory, MFU against a matmul peak measured in the run
     summary.json    the same figures, machine-readable
-    run/            the training run's own directory (checkpoint, config)
+    run/            train, sparse: the training run's own directory (checkpoint, config)
 
 Stages are `record_function` ranges the trainer and model always open (they cost about a
 microsecond each when no profiler runs): genrec.data (next batch), genrec.sparse_forward
 (embedding lookups), genrec.tower, genrec.loss, genrec.backward (loss.backward: the dense
 gradients and, inside it, the store's fused sparse update, shown as its own row), genrec.
 optimizer, genrec.checkpoint. On more than one rank the collectives appear as their own
-operators (all_to_all, allreduce) in the top-operator table.
+operators (all_to_all, allreduce) in the top-operator table. Serving's stages are the
+ranker's steps: genrec.serve.history (parse, sort, truncate), .encode (the tower over the
+history), .retrieve (filters + top-k over the item index), .rank (the candidates against
+the cached history), .respond (the answer).
 """
 
 from __future__ import annotations
