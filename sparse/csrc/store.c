@@ -259,6 +259,30 @@ void ix_items(const Index *ix, const int64_t *tvd, int64_t *ids, int64_t *locs) 
 
 /* ------------------------------------------------------------------------- lookup */
 
+/* fwd_lookup's dedup table: id and its unique position side by side (one cache line per
+ * probe). Reused per thread across calls up to DEDUP_KEEP slots (a fresh table of a few
+ * hundred KB per call costs its page faults every step); larger ones are freed after. */
+typedef struct {
+    int64_t id, pos;
+} DedupSlot;
+#define DEDUP_KEEP (1 << 21) /* 32 MB */
+static _Thread_local DedupSlot *dedup_kept = NULL;
+static _Thread_local int64_t dedup_kept_cap = 0;
+
+static DedupSlot *dedup_table(int64_t cap) {
+    if (cap > DEDUP_KEEP) return (DedupSlot *)malloc((size_t)cap * sizeof(DedupSlot));
+    if (cap > dedup_kept_cap) {
+        free(dedup_kept);
+        dedup_kept = (DedupSlot *)malloc((size_t)cap * sizeof(DedupSlot));
+        dedup_kept_cap = dedup_kept ? cap : 0;
+    }
+    return dedup_kept;
+}
+
+static void dedup_release(DedupSlot *tab) {
+    if (tab != dedup_kept) free(tab);
+}
+
 /* The fused training lookup. Deduplicates ids (first-occurrence order: inv[i] is the
  * unique position of ids[i], uniq / cnt the unique ids and their sighting counts;
  * `counts` = NULL counts each occurrence once) and locates each unique id (loc, -1 if
@@ -275,32 +299,26 @@ int64_t fwd_lookup(const Index *ix, const int64_t *tvd, const int64_t *ids, cons
     Tiers tv = {tvd};
     int64_t cap = 16;
     while (cap < 2 * n) cap <<= 1;
-    int64_t *key = (int64_t *)malloc((size_t)cap * sizeof(int64_t));
-    int32_t *pos = (int32_t *)malloc((size_t)cap * sizeof(int32_t));
-    if (!key || !pos) {
-        free(key);
-        free(pos);
-        return -n - 2;
-    }
-    memset(key, 0xff, (size_t)cap * sizeof(int64_t)); /* -1: ids are >= 0 */
+    DedupSlot *tab = dedup_table(cap);
+    if (!tab) return -n - 2;
+    memset(tab, 0xff, (size_t)cap * sizeof(DedupSlot)); /* id -1: ids are >= 0 */
     int64_t U = 0, mask = cap - 1;
     for (int64_t i = 0; i < n; i++) {
         int64_t id = ids[i];
         int64_t c = counts ? counts[i] : 1;
         int64_t j = (int64_t)(mix64((uint64_t)id) & (uint64_t)mask);
-        while (key[j] != -1 && key[j] != id) j = (j + 1) & mask;
-        if (key[j] == -1) {
-            key[j] = id;
-            pos[j] = (int32_t)U;
+        while (tab[j].id != -1 && tab[j].id != id) j = (j + 1) & mask;
+        if (tab[j].id == -1) {
+            tab[j].id = id;
+            tab[j].pos = U;
             uniq[U] = id;
             cnt[U++] = c;
         } else {
-            cnt[pos[j]] += c;
+            cnt[tab[j].pos] += c;
         }
-        inv[i] = pos[j];
+        inv[i] = tab[j].pos;
     }
-    free(key);
-    free(pos);
+    dedup_release(tab);
     ix_find(ix, tvd, uniq, U, loc);
     int64_t D = tv.d[16];
     int ok = 1;
