@@ -152,8 +152,11 @@ class SequenceTower(nn.Module):
     def score_targets(self, cache: HistoryCache, target_values_CD: torch.Tensor,
                       target_offsets_B1: torch.Tensor, target_timestamps_C: torch.Tensor) -> torch.Tensor:
         """Candidate states against the cached histories; equals the candidate rows of
-        forward(history + candidates, num_targets_B=candidate counts). Candidates are
-        scored `target_micro_batch` per row at a time; each costs O(history) per layer.
+        forward(history + candidates, num_targets_B=candidate counts). A candidate reads
+        the history and itself only (the target-aware mask), so any number of candidates
+        per row may be scored against a history shorter than max_seq_len: each one's state
+        is the one forward(history + that candidate) gives it. Candidates are scored
+        `target_micro_batch` per row at a time; each costs O(history) per layer.
         Candidates are queries at their own time under either `time_bias_query`."""
         self._check_values(target_values_CD, target_offsets_B1, "target_values_CD")
         B = cache.history_lengths_B.numel()
@@ -162,8 +165,8 @@ class SequenceTower(nn.Module):
                              f"got {tuple(target_offsets_B1.shape)}")
         target_offsets_B1 = target_offsets_B1.long()
         counts_B = target_offsets_B1[1:] - target_offsets_B1[:-1]
-        if B and int((cache.history_lengths_B + counts_B).max()) > self.cfg.max_seq_len:
-            raise ValueError("history + candidates exceed TowerConfig.max_seq_len")
+        if B and int(cache.history_lengths_B.max()) + 1 > self.cfg.max_seq_len:
+            raise ValueError("history + one candidate exceed TowerConfig.max_seq_len")
         max_c = int(counts_B.max()) if B else 0
         out = target_values_CD.new_empty(target_values_CD.shape)
         m = self.cfg.target_micro_batch

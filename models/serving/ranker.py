@@ -403,10 +403,9 @@ class Ranker:
         offsets_B1 = torch.cat([torch.zeros(1, dtype=torch.int64), counts_B.cumsum(0)])
         ts_C = torch.repeat_interleave(torch.tensor(times, dtype=torch.int64), counts_B)
         states_CD = tokens_CD.new_empty(tokens_CD.shape)
-        # The tower holds history + one chunk per row within max_seq_len; a candidate's state
-        # does not depend on the other candidates, so chunking never changes the result.
-        longest = max([0] + cache.history_lengths_B.tolist())
-        m = max(1, min(self.cfg.micro_batch, self.max_seq_len - longest))
+        # A candidate's state depends on the history and itself only (the target-aware
+        # mask), so neither the chunk size nor the candidate count is bounded by max_seq_len.
+        m = self.cfg.micro_batch
         for c0 in range(0, max([0] + counts_B.tolist()), m):
             lo_B = (offsets_B1[:-1] + c0).minimum(offsets_B1[1:])
             hi_B = (lo_B + m).minimum(offsets_B1[1:])
