@@ -76,3 +76,38 @@ def test_temporary_ssd_dir_does_not_leak_after_kill_9(tmp_path):
     assert not leaked, leaked
     TieredEmbeddingCollection(_config(None))  # the next store clears what a dead one left
     assert not os.path.exists(root)
+
+
+def test_a_full_disk_is_an_error_naming_the_directory_and_the_snapshot_survives(tmp_path, monkeypatch):
+    """The SSD tier's slabs are allocated when created: no space is an OSError naming the
+    directory (a sparse mapping would die of SIGBUS at its first write instead), the failed
+    slab leaves no file, and the last snapshot still loads with the rows it had."""
+    import errno
+
+    import torch
+
+    ssd, other = tmp_path / "ssd", tmp_path / "other"
+    ssd.mkdir(), other.mkdir()
+    tec = TieredEmbeddingCollection(_config(str(ssd)))
+    for i in range(6):
+        train_step(tec, kjt_of({"f": [[i]]}))
+    snap = str(tmp_path / "snap")
+    tec.save_snapshot(snap)
+    before = tec.eval()(kjt_of({"f": [[0, 1, 2, 3, 4, 5]]}))["f"].values().clone()
+    tec.train()
+    files_before = _files(ssd)
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(OSError, match=re.escape(str(ssd)) + r".*No space left") as err:
+        _spill(tec, 40)
+    assert err.value.errno == errno.ENOSPC
+    assert _files(ssd) == files_before  # the failed slab left no file behind
+    monkeypatch.undo()
+
+    fresh = TieredEmbeddingCollection(_config(str(other)))
+    fresh.load_snapshot(snap)
+    torch.testing.assert_close(fresh.eval()(kjt_of({"f": [[0, 1, 2, 3, 4, 5]]}))["f"].values(), before,
+                               rtol=0, atol=0)
