@@ -16,23 +16,26 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool = False) -> None
     )
 
 
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="genrec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("synth", help="write a synthetic ad event log (parquet part-files)")
-    p.add_argument("--out", required=True)
+    _add_output_args(p)
     p.add_argument("--users", type=int, default=10_000)
     p.add_argument("--items", type=int, default=20_000)
     p.add_argument("--events", type=int, default=1_000_000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
 
     p = sub.add_parser("convert", help="convert a public dataset into the event-log schema")
     p.add_argument("--from", dest="source", required=True, choices=["movielens", "sasrec-txt", "s3rec-txt", "criteo"])
     p.add_argument("--input", dest="inputs", nargs="+", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    _add_output_args(p)
 
     p = sub.add_parser("prepare", help="event logs -> per-user sequences with a split")
     src = p.add_mutually_exclusive_group(required=True)
@@ -40,25 +43,22 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--from", dest="source", choices=["movielens", "sasrec-txt", "s3rec-txt", "criteo"],
                      help="convert a public dataset first (with --input)")
     p.add_argument("--input", dest="inputs", nargs="+", help="files for --from")
-    p.add_argument("--out", required=True)
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    _add_output_args(p)
     _add_config_args(p)
 
     p = sub.add_parser("train", help="train a model (torchrun for several ranks)")
     _add_config_args(p, required=True)
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint (required to exist)")
-    start.add_argument("--fresh", action="store_true", help="start over: clear the previous run in train.out_dir "
-                                                            "(only a genrec training run)")
+    start.add_argument("--fresh", action="store_true", help="start over: clear the genrec training run in train.out_dir")
 
     p = sub.add_parser("export", help="checkpoint -> serving artifact")
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--out", required=True)
+    _add_output_args(p)
     p.add_argument("--dtype", choices=["fp32", "fp16", "int8"], default="fp32",
                    help="storage of the embedding rows and the item index")
     p.add_argument("--data", help="prepared data directory (default: the path the run trained on)")
     p.add_argument("--model-version", help="version the artifact reports (default: RUN-STEP-DTYPE)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing artifact directory")
 
     p = sub.add_parser("eval", help="offline evaluation report")
     p.add_argument("--checkpoint", required=True, help="checkpoint directory or exported artifact")
@@ -105,10 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="profile training, the store or serving: Chrome trace, TensorBoard, summary.md")
     p.add_argument("target", choices=["train", "sparse", "serve"])
     _add_config_args(p)  # train, sparse: --config; serve: --artifact and --data
-    for name, what in (("artifact", "an exported artifact"), ("data", "prepared data; its test users make the requests")):
-        p.add_argument(f"--{name}", help=f"serve: {what}")
+    p.add_argument("--artifact", help="serve: an exported artifact")
+    p.add_argument("--data", help="serve: prepared data; its test users make the requests")
     p.add_argument("--steps", type=int, default=20, help="profiled steps or requests (after one warm-up)")
-    p.add_argument("--out", required=True), p.add_argument("--overwrite", action="store_true", help="replace an earlier profile")
+    _add_output_args(p)
 
     p = sub.add_parser("demo", help="synthesize -> prepare -> train -> export -> eval -> one query")
     p.add_argument("--out", default="demo", help="working directory of the demo")

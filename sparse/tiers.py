@@ -66,7 +66,6 @@ def remove_slab_files(directory: str) -> None:
                 os.remove(os.path.join(directory, name))
 
 
-
 def _reserve(path: str, nbytes: int) -> None:
     """Create the slab file with its blocks allocated. A mapping of a sparse file meets a
     full disk at its first write to a new page, as a SIGBUS that kills the process with no
@@ -76,24 +75,24 @@ def _reserve(path: str, nbytes: int) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     except OSError as e:
         raise _tier_error(path, nbytes, e) from e
+    error = None
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:
-        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            return  # a filesystem that cannot reserve: the mapping grows as before
-        os.close(fd)
-        fd = -1
-        os.remove(path)  # the file this call created
-        raise _tier_error(path, nbytes, e) from e
+        # A filesystem that cannot reserve blocks: the mapping grows as before.
+        error = None if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL) else e
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
+    if error is not None:
+        os.remove(path)  # the file this call created
+        raise _tier_error(path, nbytes, error) from error
 
 
 def _tier_error(path: str, nbytes: int, e: OSError) -> OSError:
     return OSError(e.errno, f"genrec.sparse: cannot create a {nbytes / 2**20:.1f} MiB SSD-tier slab in "
                             f"{os.path.dirname(path) or '.'}: {os.strerror(e.errno)}; free space there or point "
                             "sparse.ssd_dir at another directory")
+
 
 class _SlabArray:
     """A 2-D array of rows in equal slabs: one in-memory tensor, or files mapped in memory."""
@@ -118,7 +117,7 @@ class _SlabArray:
             if os.path.exists(path):
                 os.remove(path)  # live slabs are never reused across runs (see module doc)
             numel = self.slab_rows * self.width
-            _reserve(path, numel * torch.empty(0, dtype=self.dtype).element_size())
+            _reserve(path, numel * self.dtype.itemsize)
             slab = torch.from_file(path, shared=True, size=numel, dtype=self.dtype).view(self.slab_rows, self.width)
             if self.unlink:
                 # The mapping keeps the inode: the file works as before but has no name, so

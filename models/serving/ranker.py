@@ -34,7 +34,6 @@ the item index too (unknown items read the default row).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -165,7 +164,6 @@ class Ranker:
         self.item_side = contents.item_side_features
         self.side_features = [f for f in self.model.candidate_features if f != features.item]
         max_seq_len = int(m["tower"]["max_seq_len"])
-        self.max_seq_len = max_seq_len
         self.max_k = self.cfg.max_k
         self.max_history = self.cfg.max_history or (max_seq_len - 1)
         if not 1 <= self.max_history < max_seq_len:

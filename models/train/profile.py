@@ -113,25 +113,26 @@ def profile_training(cfg: JobConfig, steps: int, out: str | Path, overwrite: boo
 
     out = _start(out, steps, overwrite)
     cfg, trainer, batches = _trainer(cfg, steps, out)
-    flops, last = [0.0], {}
+    flops, loader_state = 0.0, None
 
     def step(i: int) -> None:
+        nonlocal flops, loader_state
         with record_function("genrec.data"):
-            batch, last["loader_state"] = batches.next()
+            batch, loader_state = batches.next()
         trainer.train_step(batch)
         trainer.step += 1
         if i:
-            flops[0] += _tower_flops(cfg, batch)
+            flops += _tower_flops(cfg, batch)
 
     prof, step_seconds = _profiled(out, steps, step)
     with record_function("genrec.checkpoint"):
         t0 = time.perf_counter()
-        trainer.save(last["loader_state"])
+        trainer.save(loader_state)
         checkpoint_s = time.perf_counter() - t0
     summary = _summarize(prof, steps, step_seconds, TRAIN_STAGES)
     seconds, peak = sum(step_seconds), matmul_peak_gflops()
-    summary.update(checkpoint_ms=1e3 * checkpoint_s, tower_gflops_per_s=flops[0] / seconds / 1e9,
-                   matmul_peak_gflops=peak, mfu=flops[0] / seconds / 1e9 / peak)
+    summary.update(checkpoint_ms=1e3 * checkpoint_s, tower_gflops_per_s=flops / seconds / 1e9,
+                   matmul_peak_gflops=peak, mfu=flops / seconds / 1e9 / peak)
     return _write(out, "train", summary)
 
 
@@ -144,9 +145,10 @@ def profile_sparse(cfg: JobConfig, steps: int, out: str | Path, overwrite: bool 
     out = _start(out, steps, overwrite)
     _, trainer, batches = _trainer(cfg, steps, out)
     embeddings = unwrap(trainer.model).embeddings
-    lookups = [0]
+    lookups = 0
 
     def step(i: int) -> None:
+        nonlocal lookups
         with record_function("genrec.data"):
             batch, _ = batches.next()
         if batch.num_tokens:
@@ -157,11 +159,11 @@ def profile_sparse(cfg: JobConfig, steps: int, out: str | Path, overwrite: bool 
         with record_function("genrec.sparse_backward"):
             loss.backward()  # d loss / d row = the row: a real update of every row looked up
         if i:
-            lookups[0] += batch.history.values().numel()
+            lookups += batch.history.values().numel()
 
     prof, step_seconds = _profiled(out, steps, step)
     summary = _summarize(prof, steps, step_seconds, SPARSE_STAGES)
-    summary["lookups_per_s"] = lookups[0] / sum(step_seconds)
+    summary["lookups_per_s"] = lookups / sum(step_seconds)
     return _write(out, "sparse", summary)
 
 

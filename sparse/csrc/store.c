@@ -108,9 +108,12 @@ int64_t ix_bytes(const Index *ix) { return ix->bytes; }
 int64_t ix_peak_bytes(const Index *ix) { return ix->peak_bytes; }
 void ix_reset_peak(Index *ix) { ix->peak_bytes = ix->bytes; }
 
+/* Put an entry whose id is absent at the first free place of its chain: an empty slot or
+ * a tombstone (the entry's later lookups stop at it or earlier). */
 static void seg_put(Seg *s, uint64_t h, uint64_t e) {
     int64_t i = seg_home(h, s->cap);
-    while (s->tab[i]) i = (i + 1 == s->cap) ? 0 : i + 1;
+    while (s->tab[i] && s->tab[i] != TOMB) i = (i + 1 == s->cap) ? 0 : i + 1;
+    if (s->tab[i] == TOMB) s->tombs--;
     s->tab[i] = e;
 }
 
@@ -213,11 +216,7 @@ int64_t ix_insert(Index *ix, const int64_t *tvd, const int64_t *ids, const int64
         Seg *s = &ix->seg[h >> (64 - SEG_BITS)];
         if ((uint64_t)locs[k] >= LOC_MASK - 1) return -2;
         if ((s->live + s->tombs + 1) * 20 > s->cap * 17 && seg_rebuild(ix, s, tv)) return -1;
-        uint64_t e = ((h & FP_MASK) << LOC_BITS) | ((uint64_t)locs[k] + 1);
-        int64_t i = seg_home(h, s->cap);
-        while (s->tab[i] && s->tab[i] != TOMB) i = (i + 1 == s->cap) ? 0 : i + 1;
-        if (s->tab[i] == TOMB) s->tombs--; /* the id is absent: its first free place will do */
-        s->tab[i] = e;
+        seg_put(s, h, ((h & FP_MASK) << LOC_BITS) | ((uint64_t)locs[k] + 1));
         s->live++;
         ix->live++;
     }
