@@ -4,6 +4,9 @@ Every comparison is measured side by side in one process (the machine is shared,
 ratios mean more than absolute numbers). All training numbers are forward + backward under
 bf16 autocast with fp32 master weights, on skewed-length jagged batches.
 
+Each ratio is the median over rounds in which both sides run in turn (`NAME_spread`: its
+median, min, max and rounds); `--quick` runs 5 rounds of smaller batches, the full run 9.
+
 Memory is "activation bytes": the bytes of distinct tensors autograd saves for backward
 (counted with saved-tensor hooks), which is what checkpointing and chunking reduce; CPU
 PyTorch has no allocator peak counter.
@@ -12,6 +15,7 @@ PyTorch has no allocator peak counter.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 
@@ -53,16 +57,31 @@ def _train_step(tower, x, off, ts):
     y.float().square().mean().backward()
 
 
-def _time(fn, reps: int) -> float:
-    # Each ground floor (data/, sparse/, dense/) keeps its own timing loop: they import
+def _spread(values: list[float]) -> dict:
+    # Each ground floor (data/, sparse/, dense/) keeps its own timing helpers: they import
     # nothing from each other, and no shared place sits below them.
-    fn()  # warm-up (also loads the fused tile)
-    best = float("inf")
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _side_by_side(fns: dict, reps: int) -> dict[str, list[float]]:
+    """Seconds per call of each function, `reps` rounds, the functions taking turns within a
+    round: a ratio of two sides is then taken round by round, so a burst of load on a shared
+    machine slows both sides of the same round rather than one of them."""
+    for fn in fns.values():
+        fn()  # warm-up (also loads the fused tile)
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _ratio(out: dict, key: str, numer: list[float], denom: list[float]) -> None:
+    """out[key] = median over rounds of numer / denom; out[key + "_spread"] its spread."""
+    spread = _spread([a / b for a, b in zip(numer, denom)])
+    out[key], out[key + "_spread"] = spread["median"], spread
 
 
 def _activation_bytes(fn) -> int:
@@ -78,11 +97,11 @@ def _activation_bytes(fn) -> int:
     return sum(seen.values())
 
 
-def _tokens_per_s(cfg: TowerConfig, batch, reps: int) -> float:
+def _step_fn(cfg: TowerConfig, batch):
     tower = build_tower(cfg)
     x, off, ts = batch
-    x = x.requires_grad_()
-    return x.shape[0] / _time(lambda: _train_step(tower, x, off, ts), reps)
+    x = x.clone().requires_grad_()
+    return lambda: _train_step(tower, x, off, ts)
 
 
 def _free_threads() -> int:
@@ -104,7 +123,7 @@ def run(quick: bool) -> dict:
 
 def _run(quick: bool) -> dict:
     torch.manual_seed(0)
-    reps = 1 if quick else 3
+    reps = 5 if quick else 9
     out: dict = {"threads": torch.get_num_threads(), "load_average": os.getloadavg()[0],
                  "precision": "bf16 autocast, fp32 weights"}
 
@@ -112,20 +131,22 @@ def _run(quick: bool) -> dict:
     for n in lengths:
         tokens = (2 * n if quick else 8 * n)
         batch = _skewed_batch(n, tokens, seed=n)
-        h = _tokens_per_s(_cfg("hstu", n), batch, reps)
-        t = _tokens_per_s(_cfg("transformer", n), batch, reps)
-        out[f"hstu_tokens_per_s_{n}"] = round(h)
-        out[f"transformer_tokens_per_s_{n}"] = round(t)
-        out[f"hstu_vs_transformer_{n}"] = h / t
-        _log(f"len {n}: {batch[0].shape[0]} tokens, HSTU {h:.0f} tok/s, Transformer {t:.0f} tok/s")
+        t = _side_by_side({"hstu": _step_fn(_cfg("hstu", n), batch),
+                           "transformer": _step_fn(_cfg("transformer", n), batch)}, reps)
+        T = batch[0].shape[0]
+        out[f"hstu_tokens_per_s_{n}"] = round(T / statistics.median(t["hstu"]))
+        out[f"transformer_tokens_per_s_{n}"] = round(T / statistics.median(t["transformer"]))
+        _ratio(out, f"hstu_vs_transformer_{n}", t["transformer"], t["hstu"])
+        _log(f"len {n}: {T} tokens, HSTU {out[f'hstu_tokens_per_s_{n}']} tok/s, "
+             f"Transformer {out[f'transformer_tokens_per_s_{n}']} tok/s")
 
     # Jagged (length buckets) vs padded (one bucket padded to the longest row), mean = max/4.
     n = 1024
     batch = _skewed_batch(n, 4 * n if quick else 16 * n, seed=7)
-    jag = _tokens_per_s(_cfg("hstu", n), batch, reps)
-    pad = _tokens_per_s(_cfg("hstu", n, bucket_min_fill=1e-9), batch, reps)
-    out["jagged_vs_padded"] = jag / pad
-    _log(f"jagged {jag:.0f} tok/s vs padded {pad:.0f} tok/s")
+    t = _side_by_side({"jagged": _step_fn(_cfg("hstu", n), batch),
+                       "padded": _step_fn(_cfg("hstu", n, bucket_min_fill=1e-9), batch)}, reps)
+    _ratio(out, "jagged_vs_padded", t["padded"], t["jagged"])
+    _log(f"jagged vs padded {out['jagged_vs_padded']:.2f}x")
 
     # Activation checkpointing: activation bytes saved for backward, with / without.
     n = 1024
@@ -151,6 +172,7 @@ def _run(quick: bool) -> dict:
     g = torch.Generator().manual_seed(9)
     hist = torch.randn(hist_len, 64, generator=g)
     hist_ts = torch.cumsum(torch.randint(0, 3600, (hist_len,), generator=g), 0)
+    runs = {}
     for c in counts:
         cand = torch.randn(c, 64, generator=g)
         cand_ts = hist_ts[-1] + torch.arange(c)
@@ -173,17 +195,17 @@ def _run(quick: bool) -> dict:
             with autocast("bf16"):
                 tower.score_targets(cache, cand, torch.tensor([0, c]), cand_ts)
 
-        t_full, t_cached, t_score = _time(recompute, reps), _time(cached, reps), _time(score_only, reps)
-        out[f"kv_cache_full_recompute_s_{c}"] = t_full
-        out[f"kv_cache_encode_plus_score_s_{c}"] = t_cached
-        out[f"kv_cache_score_only_s_{c}"] = t_score
-        _log(f"{c} candidates: full {t_full * 1e3:.1f} ms, encode+score {t_cached * 1e3:.1f} ms, "
-             f"score only {t_score * 1e3:.1f} ms")
+        t = _side_by_side({"full": recompute, "cached": cached, "score": score_only}, reps)
+        runs[c] = t
+        out[f"kv_cache_full_recompute_s_{c}"] = statistics.median(t["full"])
+        out[f"kv_cache_encode_plus_score_s_{c}"] = statistics.median(t["cached"])
+        out[f"kv_cache_score_only_s_{c}"] = statistics.median(t["score"])
+        _log(f"{c} candidates: full {out[f'kv_cache_full_recompute_s_{c}'] * 1e3:.1f} ms, encode+score "
+             f"{out[f'kv_cache_encode_plus_score_s_{c}'] * 1e3:.1f} ms, "
+             f"score only {out[f'kv_cache_score_only_s_{c}'] * 1e3:.1f} ms")
     # Serving encodes the history once per request and scores candidate micro-batches against
     # it; without the cache every micro-batch of 256 re-encodes the history with its candidates.
     c = 1024
-    per_mb = out["kv_cache_full_recompute_s_256"] * (c // 256)
-    out["kv_cache_speedup_1024"] = per_mb / out[f"kv_cache_encode_plus_score_s_{c}"]
-    out["kv_cache_speedup_vs_single_forward_1024"] = (out[f"kv_cache_full_recompute_s_{c}"]
-                                                      / out[f"kv_cache_encode_plus_score_s_{c}"])
+    _ratio(out, "kv_cache_speedup_1024", [f * (c // 256) for f in runs[256]["full"]], runs[c]["cached"])
+    _ratio(out, "kv_cache_speedup_vs_single_forward_1024", runs[c]["full"], runs[c]["cached"])
     return out

@@ -5,6 +5,7 @@
     genrec bench check OUT --baseline FILE      exit 1 on a regression beyond the noise, else 0
     genrec bench gate --baseline FILE --json OUT   `all --quick` + `check`, waiting out load; a failure must repeat
     genrec bench baseline OUT... --json FILE    a baseline from several `all` results (their spread)
+    genrec bench readme [--check]               the README's tables from configs/figures/ (genrec.models.figures)
 
 A baseline holds, per gated figure ("bench.key", GATED), the median, min and max over the
 runs it was made from, whether higher is better, and a target where the issue sets one.
@@ -83,6 +84,7 @@ def run_one(name: str, quick: bool) -> dict:
     run = importlib.import_module(BENCH_MODULES[name]).run
     record = start_record()
     figures = run(quick=quick)
+    figures.setdefault("quick", quick)
     figures["conditions"] = {**figures.get("conditions", {}), **finish_record(record)}
     return figures
 
@@ -185,6 +187,10 @@ def command(args) -> int:
     if name == "all":
         _write(args.json_out, run_all(args.quick))
         return 0
+    if name == "readme":
+        from genrec.models.figures import command as readme
+
+        return readme(check_only=args.check)
     if name == "baseline":
         if not args.results or not args.json_out:
             raise ValueError("genrec bench baseline: give the `bench all` results and --json FILE")

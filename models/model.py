@@ -43,6 +43,14 @@ class ModelConfig:
     """Train the ranking head (candidates after the history, one BCE per task)."""
     retrieval_weight: float = 1.0
     """Weight of the retrieval loss when both heads train."""
+    contrastive_weight: float = 0.0
+    """Weight of a two-view contrastive term (the unsupervised half of DuoRec, Qiu et al.,
+    WSDM 2022, with SimCSE's dropout views): in training without ranking candidates the
+    tower runs twice over the same tokens under different dropout masks, and each position's
+    two states are each other's positive in an InfoNCE against the other rows' positions.
+    0: off (one tower pass)."""
+    contrastive_temperature: float = 0.1
+    """Temperature of that InfoNCE over cosine similarities."""
     negatives: Literal["shared", "per_position", "in_batch", "full"] = "shared"
     """The retrieval softmax's negatives. "shared": `num_negatives` items drawn uniformly
     from the corpus, one pool for the whole batch; "per_position": `num_negatives` uniform
@@ -56,8 +64,12 @@ class ModelConfig:
     "in_batch" always does)."""
     full_softmax_max_items: int = 200_000
     """Largest corpus "full" accepts: above it, use "shared" with a large pool."""
+    similarity: Literal["cosine", "dot"] = "cosine"
+    """How a state scores an item in the retrieval softmax, at evaluation and at serving:
+    "cosine" (both L2-normalized, the HSTU reference) or "dot" (raw inner product, as
+    SASRec-style softmax models; an item row's norm can then carry its popularity)."""
     temperature: float = 0.05
-    """Softmax temperature over cosine similarities."""
+    """Softmax temperature: the similarity is divided by it (use 1.0 with "dot")."""
     min_target_action: int | None = None
     """Only positions whose next event has action >= this are retrieval targets (e.g. 1:
     predict clicked ads, not mere impressions). None: every next event is a target."""
@@ -77,6 +89,11 @@ class ModelConfig:
 
 def _normalize(x: torch.Tensor) -> torch.Tensor:
     return F.normalize(x.float(), dim=-1, eps=1e-6)
+
+
+def retrieval_vectors(x: torch.Tensor, similarity: str) -> torch.Tensor:
+    """States or item rows as the retrieval head's inner product sees them (fp32)."""
+    return _normalize(x) if similarity == "cosine" else x.float()
 
 
 def interleave_jagged(
@@ -202,6 +219,11 @@ class GenerativeRecommender(nn.Module):
         )
         return self.embeddings(kjt)[self.features.item].values()
 
+    def _history_states(self, batch: Batch, tokens_TD: torch.Tensor) -> torch.Tensor:
+        with record_function("genrec.tower"):
+            return self.tower(tokens_TD, batch.history_offsets_B1, batch.timestamps_T,
+                              query_time_B=batch.query_time_B)
+
     def encode(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """History states [T, D] (causal), the task heads' input per candidate (`head_input`:
         [C, D] or [C, 2D]; None without candidates), and the history's item rows [T, D] (the
@@ -210,10 +232,7 @@ class GenerativeRecommender(nn.Module):
         item_rows_TD = embedded[self.features.item].values()
         lengths_B = batch.history_lengths_B
         if batch.candidates is None:
-            with record_function("genrec.tower"):
-                states = self.tower(tokens_TD, batch.history_offsets_B1, batch.timestamps_T,
-                                    query_time_B=batch.query_time_B)
-            return states, None, item_rows_TD
+            return self._history_states(batch, tokens_TD), None, item_rows_TD
         cand_TD, _ = self._tokens(self._candidate_kjt(batch.candidates), self.candidate_features, "candidates")
         cand_lengths_B = batch.candidates.lengths().view(len(batch.candidates.keys()), -1)[0].long()
         values, offsets_B1, cand_pos = interleave_jagged(tokens_TD, lengths_B, cand_TD, cand_lengths_B)
@@ -231,8 +250,9 @@ class GenerativeRecommender(nn.Module):
 
     def retrieval_loss(self, batch: Batch, states_TD: torch.Tensor, item_rows_TD: torch.Tensor) -> torch.Tensor:
         """Softmax of each position's state against the next event's item row and the
-        negatives that `model.negatives` names (cosine similarity / temperature)."""
+        negatives that `model.negatives` names (`model.similarity` / temperature)."""
         cfg = self.cfg
+        vec = lambda x: retrieval_vectors(x, cfg.similarity)  # noqa: E731
         if self.item_corpus.numel() == 0:
             raise ValueError("retrieval needs the item corpus: call set_item_corpus() with the prepared item ids")
         item_ids_T = batch.history[self.features.item].values()
@@ -262,24 +282,24 @@ class GenerativeRecommender(nn.Module):
         neg_rows = self.item_rows(neg_ids) if neg_ids.numel() else states_TD.new_zeros(0, self.dim)
         if P == 0:
             return (neg_rows.sum() + states_TD.sum() + item_rows_TD.sum()) * 0.0
-        query = _normalize(states_TD[src])
+        query = vec(states_TD[src])
         target_ids = item_ids_T[tgt]
         if cfg.negatives == "full" and not cfg.in_batch_negatives:
             # Every target is a corpus row: one cross-entropy over the corpus is the softmax of
             # [positive, every other item] without a second copy of the logits to mask.
             target_pos, known = sorted_positions(self.item_corpus.to(device), target_ids)
             if bool(known.all()):
-                logits = (query @ _normalize(neg_rows).T) / cfg.temperature
+                logits = (query @ vec(neg_rows).T) / cfg.temperature
                 return F.cross_entropy(logits, target_pos)
-        positive = _normalize(item_rows_TD[tgt])
+        positive = vec(item_rows_TD[tgt])
         pos_logit = (query * positive).sum(-1, keepdim=True)
         logits = [pos_logit]
         if cfg.negatives == "per_position":
-            negative = _normalize(neg_rows).view(P, cfg.num_negatives, -1)
+            negative = vec(neg_rows).view(P, cfg.num_negatives, -1)
             neg_logits = torch.einsum("pd,pkd->pk", query, negative)
             logits.append(neg_logits.masked_fill(neg_ids.view(P, -1) == target_ids[:, None], float("-inf")))
         elif neg_ids.numel():
-            neg_logits = query @ _normalize(neg_rows).T
+            neg_logits = query @ vec(neg_rows).T
             # An accidental hit (a negative that is the target itself) is not a negative.
             logits.append(neg_logits.masked_fill(neg_ids[None, :] == target_ids[:, None], float("-inf")))
         if cfg.negatives == "in_batch" or cfg.in_batch_negatives:
@@ -309,9 +329,35 @@ class GenerativeRecommender(nn.Module):
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Training loss and its parts."""
         use_candidates = self.cfg.ranking and batch.candidates is not None
+        if self.cfg.contrastive_weight > 0 and self.training and not use_candidates:
+            return self._forward_two_views(_without_candidates(batch))
         states, cand_states, item_rows = self.encode(batch if use_candidates else _without_candidates(batch))
         with record_function("genrec.loss"):
             return self._loss(batch, states, cand_states, item_rows, use_candidates)
+
+    def _forward_two_views(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """`forward` under `model.contrastive_weight`: the tokens are looked up once and the
+        tower runs twice (two dropout masks); the next-item loss reads the first view."""
+        tokens_TD, embedded = self._tokens(batch.history, self.features.sparse, "history")
+        states, states2 = self._history_states(batch, tokens_TD), self._history_states(batch, tokens_TD)
+        with record_function("genrec.loss"):
+            loss, parts = self._loss(batch, states, None, embedded[self.features.item].values(), False)
+            cl = self.contrastive_loss(batch, states, states2)
+        parts["contrastive_loss"] = float(cl.detach())
+        return loss + self.cfg.contrastive_weight * cl, parts
+
+    def contrastive_loss(self, batch: Batch, view1_TD: torch.Tensor, view2_TD: torch.Tensor) -> torch.Tensor:
+        """Symmetric InfoNCE between two views of the same positions: position t of one view
+        against every position of the other view that belongs to another row (the other
+        positions of its own row are neither positives nor negatives), both ways."""
+        T = view1_TD.shape[0]
+        row_T = torch.repeat_interleave(torch.arange(batch.batch_size, device=view1_TD.device),
+                                        batch.history_lengths_B.to(view1_TD.device), output_size=T)
+        own_row = (row_T[:, None] == row_T[None, :]) & ~torch.eye(T, dtype=torch.bool, device=row_T.device)
+        sim = (_normalize(view1_TD) @ _normalize(view2_TD).T) / self.cfg.contrastive_temperature
+        sim = sim.masked_fill(own_row, float("-inf"))
+        labels = torch.arange(T, device=sim.device)
+        return 0.5 * (F.cross_entropy(sim, labels) + F.cross_entropy(sim.T, labels))
 
     def _loss(self, batch: Batch, states, cand_states, item_rows, use_candidates: bool):
         """The retrieval and ranking losses of one batch's states (see `forward`)."""
@@ -334,16 +380,17 @@ class GenerativeRecommender(nn.Module):
 
     @torch.no_grad()
     def user_embeddings(self, batch: Batch) -> torch.Tensor:
-        """Normalized state of each user's last history event: [B, D]."""
+        """Each user's last history state as retrieval scores it (`retrieval_vectors`): [B, D]."""
         states, _, _ = self.encode(_without_candidates(batch))
         assert bool((batch.history_lengths_B > 0).all()), "every user needs a history to be scored"
         last = batch.history_offsets_B1[1:] - 1
-        return _normalize(states[last])
+        return retrieval_vectors(states[last], self.cfg.similarity)
 
     @torch.no_grad()
     def item_embeddings(self, item_ids: torch.Tensor, block: int = 65536) -> torch.Tensor:
-        """Normalized item rows for retrieval, in blocks: [N, D]."""
-        return torch.cat([_normalize(self.item_rows(item_ids[i : i + block])) for i in range(0, len(item_ids), block)])
+        """Item rows as retrieval scores them (`retrieval_vectors`), in blocks: [N, D]."""
+        sim = self.cfg.similarity
+        return torch.cat([retrieval_vectors(self.item_rows(item_ids[i : i + block]), sim) for i in range(0, len(item_ids), block)])
 
     @torch.no_grad()
     def rank_probabilities(self, batch: Batch) -> torch.Tensor:

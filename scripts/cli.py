@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-BENCHES = ("data", "sparse", "dense", "train", "serve", "quality", "all", "check", "gate", "baseline")
+BENCHES = ("data", "sparse", "dense", "train", "serve", "quality", "all", "check", "gate", "baseline",
+           "readme")
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", help="check / gate: the baseline JSON (configs/bench_baseline.json)")
     p.add_argument("--json", dest="json_out", help="write the figures here")
     p.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+    p.add_argument("--check", action="store_true", help="readme: only check the README against configs/figures/")
 
     p = sub.add_parser("profile", help="profile training, the store or serving: Chrome trace, TensorBoard, summary.md")
     p.add_argument("target", choices=["train", "sparse", "serve"])
@@ -117,18 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _not_implemented(name: str) -> int:
-    print(f"genrec {name}: not implemented yet", file=sys.stderr)
-    return 2
-
-
 def run_command(args: argparse.Namespace) -> int:
     from genrec.scripts import commands
 
-    handler = getattr(commands, args.command.replace("-", "_"), None)
-    if handler is None:
-        return _not_implemented(args.command)
-    return handler(args) or 0
+    return getattr(commands, args.command)(args) or 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,6 +57,7 @@ from safetensors.torch import load_file, save_file
 
 from genrec.data.files import claim_output_dir, publish_dir, sha256_file, staging_dir
 from genrec.models.ids import sorted_positions
+from genrec.models.model import retrieval_vectors
 
 FORMAT = "genrec.artifact/1"
 MANIFEST = "manifest.json"
@@ -310,10 +311,10 @@ def export_artifact(
         dense = {k: (v.detach().float() if v.is_floating_point() else v.detach()).contiguous()
                  for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
         save_file(dense, str(tmp / DENSE_FILE))
-        # The retrieval head scores against normalized item rows (GenerativeRecommender.
-        # item_embeddings); computed here from the fp32 rows just read, before quantization.
+        # The retrieval head scores against the item rows as `model.similarity` sees them
+        # (GenerativeRecommender.item_embeddings); from the fp32 rows just read, before quantization.
         item_table = next(t for t, meta in tables_meta.items() if spec.item in meta["features"])
-        emb_ND = torch.nn.functional.normalize(_lookup_fp32(item_rows[item_table], item_ids), dim=-1, eps=1e-6)
+        emb_ND = retrieval_vectors(_lookup_fp32(item_rows[item_table], item_ids), model.cfg.similarity)
         index = {"item_ids": item_ids.contiguous()}
         if dtype == "int8":
             index["embeddings"], index["scale"] = quantize_rows_symmetric(emb_ND)

@@ -41,7 +41,8 @@ def _log(msg: str) -> None:
 
 def build_synthetic_model(*, num_items: int, dim: int = 32, max_seq_len: int = 256, num_layers: int = 2,
                           num_advertisers: int = 50, num_categories: int = 20, seed: int = 0,
-                          token_combine: str = "sum", kind: str = "hstu", ranking_head_input: str = "state"):
+                          token_combine: str = "sum", kind: str = "hstu", ranking_head_input: str = "state",
+                          similarity: str = "cosine"):
     """A randomly initialized ranking + retrieval model over a torchrec EmbeddingCollection.
 
     Returns (model, item_ids, item_features): item ids are 0..num_items-1, each with an
@@ -81,7 +82,8 @@ def build_synthetic_model(*, num_items: int, dim: int = 32, max_seq_len: int = 2
                                     attention_dim=dim // 2, linear_dim=dim // 2, max_seq_len=max_seq_len,
                                     dropout=0.0))
     model = GenerativeRecommender(features=spec, cfg=ModelConfig(ranking=True, retrieval=True, token_combine=token_combine,
-                                                                      ranking_head_input=ranking_head_input),
+                                                                      ranking_head_input=ranking_head_input,
+                                                                      similarity=similarity),
                                   embeddings=ec, feature_dims={f: dim for f in sizes}, tower=tower, dim=dim)
     with torch.no_grad():  # spread the untrained probabilities over (0, 1), not all near 0.5
         model.task_heads[-1].weight.normal_(0, 2.0)

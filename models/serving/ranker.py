@@ -10,8 +10,8 @@
 One call, four steps (`rank_batch` does them for several requests at once):
 
 1. Encode each history once with the dense tower, keeping each layer's keys / values.
-2. Retrieve the top K items by inner product of the normalized last history state with the
-   normalized item index: exact, a matmul + top-k per block of index rows, merged.
+2. Retrieve the top K items by inner product of the last history state with the item index
+   (both L2-normalized under `model.similarity = "cosine"`, raw under "dot"): exact, a matmul + top-k per block of index rows, merged.
 3. Rank those K as candidates appended after the history under the target-aware mask, in
    micro-batches of `micro_batch` candidates that reuse the cached history (M-FALCON):
    each micro-batch costs O(history) per layer instead of a full re-encode. Per-task
@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
@@ -51,7 +50,7 @@ from genrec.models.config_loader import from_dict
 from genrec.models.serving.artifact import (
     DENSE_FILE, MANIFEST, ArtifactContents, ServingTable, load_artifact_contents,
 )
-from genrec.models.model import GenerativeRecommender, ModelConfig
+from genrec.models.model import GenerativeRecommender, ModelConfig, retrieval_vectors
 
 RETRIEVAL = "retrieval"
 
@@ -300,11 +299,12 @@ class Ranker:
         return tokens_TD, offsets_B1, torch.cat([h["timestamps"] for h in hist])
 
     def encode(self, hist: list[dict]):
-        """Step 1: the histories once through the tower -> (normalized user vectors [B, D], cache)."""
+        """Step 1: the histories once through the tower -> (user vectors [B, D] as retrieval
+        scores them, `model.similarity`; cache)."""
         tokens_TD, offsets_B1, ts_T = self.history_tokens(hist)
         request_time_B = torch.tensor([h["request_time"] for h in hist], dtype=torch.int64)
         states_TD, cache = self.model.tower.encode_history(tokens_TD, offsets_B1, ts_T, query_time_B=request_time_B)
-        return F.normalize(states_TD[offsets_B1[1:] - 1].float(), dim=-1, eps=1e-6), cache
+        return retrieval_vectors(states_TD[offsets_B1[1:] - 1], self.model.cfg.similarity), cache
 
     def _filters(self, req: RankRequest, hist: dict) -> dict[str, torch.Tensor]:
         masks = {}

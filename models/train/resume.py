@@ -42,8 +42,9 @@ APPLIED = (
     "train.optim.*",
     "dense.dropout", "dense.input_dropout", "dense.kernel", "dense.attention_block_elems", "dense.bucket_min_fill",
     "dense.activation_checkpointing", "dense.target_micro_batch",
-    "model.retrieval_weight", "model.task_weights", "model.temperature", "model.negatives", "model.num_negatives",
-    "model.in_batch_negatives", "model.full_softmax_max_items", "model.min_target_action",
+    "model.retrieval_weight", "model.contrastive_weight", "model.contrastive_temperature", "model.task_weights",
+    "model.temperature", "model.negatives", "model.num_negatives", "model.in_batch_negatives",
+    "model.full_softmax_max_items", "model.min_target_action",
     "data.loader.prefetch_factor", "sparse.ssd_dir", "sparse.kernels",
 )
 """Keys a resumed run may change: each takes effect after the restore (fnmatch patterns)."""

@@ -36,7 +36,7 @@ def setup(request, tmp_path_factory):
     return model, feats, rankers
 
 
-def _reference(model, feats, req: dict, cand_items: torch.Tensor):
+def _reference(model, feats, req: dict, cand_items: torch.Tensor, similarity: str = "cosine"):
     """The training model's retrieval scores and ranking probabilities for the same input."""
     keys = model.features.sparse
     L, C = len(req["item_ids"]), cand_items.numel()
@@ -52,7 +52,9 @@ def _reference(model, feats, req: dict, cand_items: torch.Tensor):
                   history_lengths_B=torch.tensor([L]), candidates=kjt(cand, C),
                   candidate_timestamps_C=torch.full((C,), req["timestamps"][-1]))
     user = model.user_embeddings(batch)[0]
-    items = torch.nn.functional.normalize(model.embeddings.embeddings["t_item_id"].weight.detach(), dim=-1, eps=1e-6)
+    items = model.embeddings.embeddings["t_item_id"].weight.detach()
+    if similarity == "cosine":
+        items = torch.nn.functional.normalize(items, dim=-1, eps=1e-6)
     return user @ items.T, model.rank_probabilities(batch)
 
 
@@ -69,6 +71,25 @@ def test_fp32_scores_equal_the_training_model(setup):
     got = torch.tensor([[x["probabilities"]["click"], x["probabilities"]["conversion"]] for x in out["items"]])
     assert float((got - probs).abs().max()) < 1e-4
     assert float(probs.std()) > 0.01  # the check means something: probabilities differ per item
+
+
+def test_dot_similarity_serves_the_raw_inner_product(tmp_path):
+    """model.similarity = "dot": the index keeps raw rows and the user vector is the raw
+    state, so served scores are the training model's unnormalized inner products."""
+    model, item_ids, feats = build_synthetic_model(num_items=NUM_ITEMS, dim=16, max_seq_len=128, seed=4,
+                                                   similarity="dot")
+    art = export_artifact(model, {}, tmp_path / "dot", dtype="fp32", item_ids=item_ids, item_features=feats,
+                          version="v-dot", export_program=False)
+    req = synthetic_request(NUM_ITEMS, 50, k=40, n=40, seed=2, item_features=feats)
+    out = load_artifact(art, ServingConfig(max_k=40, micro_batch=16)).rank(dict(req, sort_by="retrieval"))
+    got_ids = torch.tensor([x["item_id"] for x in out["items"]])
+    retrieval, _ = _reference(model, feats, req, got_ids, similarity="dot")
+    want_top = retrieval.topk(40)
+    assert torch.equal(got_ids, want_top.indices)
+    got = torch.tensor([x["retrieval_score"] for x in out["items"]])
+    assert torch.allclose(got, want_top.values, rtol=1e-5, atol=1e-5)
+    cosine, _ = _reference(model, feats, req, got_ids, similarity="cosine")
+    assert not torch.equal(cosine.topk(40).indices, got_ids)  # the check tells the two apart
 
 
 def test_int8_within_stated_tolerance(setup):

@@ -140,6 +140,61 @@ def test_full_softmax_is_the_exact_cross_entropy_over_the_corpus(prepared, tmp_p
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_dot_similarity_is_the_cross_entropy_of_raw_inner_products(prepared, tmp_path):
+    import torch.nn.functional as F
+
+    cfg, net = _model(prepared, tmp_path, negatives="full", similarity="dot", temperature=0.5)
+    net.eval()
+    batch = _batch(cfg, prepared)
+    with torch.no_grad():
+        loss, _ = net(batch)
+        states, _, _ = net.encode(batch)
+        items = batch.history[cfg.data.features.item].values()
+        last = set((batch.history_offsets_B1[1:] - 1).tolist())
+        src = torch.tensor([t for t in range(len(items)) if t not in last])
+        logits = states[src] @ net.item_rows(net.item_corpus).T / 0.5
+        expected = F.cross_entropy(logits, torch.searchsorted(net.item_corpus, items[src + 1]))
+        user = net.user_embeddings(batch)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(user, states[batch.history_offsets_B1[1:] - 1])  # not normalized
+
+
+def test_contrastive_term_is_the_two_view_infonce(prepared, tmp_path):
+    """model.contrastive_weight: the loss is the next-item loss of the first view plus the
+    weighted symmetric InfoNCE of an independent transcription, positions of the same row
+    left out of each other's negatives; the tower runs twice, the store is read once."""
+    import torch.nn.functional as F
+
+    cfg, net = _model(prepared, tmp_path, negatives="full", contrastive_weight=0.3, contrastive_temperature=0.2)
+    for m in net.tower.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.3
+    batch = _batch(cfg, prepared)
+    views, lookups = [], []
+    net.tower.register_forward_hook(lambda m, args, out: views.append(out))
+    net.embeddings.register_forward_hook(lambda m, args, out: lookups.append(1))
+    net.train()
+    torch.manual_seed(0)
+    loss, parts = net(batch)
+    assert len(views) == 2 and not torch.equal(views[0], views[1])  # two dropout masks
+    history_lookups = len(lookups) - 1  # the full softmax looks the corpus up once more
+    assert history_lookups == 1
+    a, b = F.normalize(views[0], dim=-1), F.normalize(views[1], dim=-1)
+    rows = [r for r, n in enumerate(batch.history_lengths_B.tolist()) for _ in range(n)]
+    terms = []
+    for x, y in ((a, b), (b, a)):
+        for t in range(len(rows)):
+            keep = [j for j in range(len(rows)) if j == t or rows[j] != rows[t]]
+            sims = torch.stack([x[t] @ y[j] for j in keep]) / 0.2
+            terms.append(-F.log_softmax(sims, dim=0)[keep.index(t)])
+    infonce = torch.stack(terms).mean()
+    torch.testing.assert_close(torch.tensor(parts["contrastive_loss"]), infonce.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss.detach(), torch.tensor(parts["retrieval_loss"]) + 0.3 * infonce.detach(),
+                               rtol=1e-4, atol=1e-5)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in net.tower.parameters() if p.grad is not None)
+
+
 def test_unsupported_negatives_are_errors_naming_the_key(prepared, tmp_path):
     from genrec.models.build import build_model
     from genrec.models.ranks import single_process

@@ -1,0 +1,225 @@
+"""The README's measured tables, rendered from the bench JSONs recorded in configs/figures/.
+
+    genrec bench sparse --json configs/figures/sparse.json              # record (full)
+    genrec bench sparse --quick --json configs/figures/sparse-quick.json
+    genrec bench readme                  # rewrite the README's tables from the records
+    genrec bench readme --check          # exit 1 when the README and the records disagree
+
+Each table sits in the README between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->`
+and is replaced whole, so the text cannot drift from the measurements: a test renders the
+records and compares. A cell is the record's median with [min, max] over its repeats where
+the bench kept them (`KEY_spread`); under each table, the conditions of every record (commit,
+load average before and after, threads). A figure a record lacks is "-", never a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+from genrec.data.files import atomic_write_text
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES_DIR = ROOT / "configs" / "figures"
+README = ROOT / "README.md"
+
+# table: (records as columns, [(row label, key, target)]). A key is dotted into nested dicts;
+# a target is ">= x" or "<= x", judged on the full run's median (the quick one's without it).
+TABLES: dict[str, tuple[tuple[str, ...], list[tuple[str, str, str | None]]]] = {
+    "sparse": (("sparse-quick", "sparse"), [
+        ("`hot_path_ratio`: lookup + fused row-wise Adagrad, host tier, vs the raw ops", "hot_path_ratio", ">= 0.8"),
+        ("`hot_path_ratio_default_config`: default tiers (65,536 device + host), TTL on",
+         "hot_path_ratio_default_config", ">= 0.6"),
+        ("store rows/s on the hot path (host tier)", "hot_path_rows_per_s", None),
+        ("`rows_per_s_fbgemm_cpu_tbe`: fbgemm's CPU TBE, exact row-wise Adagrad, same ids",
+         "rows_per_s_fbgemm_cpu_tbe", None),
+        ("`index_bytes_per_row` (its peak during growth)", "index_bytes_per_row", "<= 16"),
+        ("`index_peak_bytes_per_row`", "index_peak_bytes_per_row", None),
+        ("`offload_ratio`: table 10x the host cache, rest on SSD, vs all in memory", "offload_ratio", ">= 0.75"),
+        ("`ssd_read_rows_per_s` (dim 64, page cache included)", "ssd_read_rows_per_s", None),
+        ("`ssd_write_rows_per_s`", "ssd_write_rows_per_s", None),
+    ]),
+    "dense": (("dense-quick", "dense"), [
+        ("`hstu_vs_transformer_256` (HSTU tokens/s over the Transformer's)", "hstu_vs_transformer_256", None),
+        ("`hstu_vs_transformer_1024`", "hstu_vs_transformer_1024", ">= 1"),
+        ("`hstu_vs_transformer_4096`", "hstu_vs_transformer_4096", ">= 1"),
+        ("HSTU forward + backward tokens/s at 1,024", "hstu_tokens_per_s_1024", None),
+        ("`jagged_vs_padded` (mean length = max / 4)", "jagged_vs_padded", ">= 1.5"),
+        ("`checkpointing_memory_ratio` (bytes saved for backward, 4 layers)", "checkpointing_memory_ratio", None),
+        ("`kv_cache_speedup_1024` (encode once + 1,024 candidates vs re-encode per 256)",
+         "kv_cache_speedup_1024", None),
+    ]),
+    "data": (("data-quick", "data"), [
+        ("`prepare_events_per_s` (largest log)", "prepare_events_per_s", None),
+        ("`prepare_peak_rss_gb` (512 MB budget)", "prepare_peak_rss_gb", None),
+        ("`prepare_rss_growth` (peak at 10M events / at 3M)", "prepare_rss_growth", None),
+        ("`loader_vs_pyarrow_ratio` (loader vs a plain pyarrow scan)", "loader_vs_pyarrow_ratio", None),
+    ]),
+    "train": (("train-quick", "train"), [
+        ("`samples_per_s_1rank`", "samples_per_s_1rank", None),
+        ("`samples_per_s_2rank` (2 gloo ranks, one thread each)", "samples_per_s_2rank", None),
+        ("`mfu` (of the measured one-thread fp32 matmul peak)", "mfu", None),
+        ("`step_time_shares.sparse_lookup`", "step_time_shares.sparse_lookup", None),
+    ]),
+    "serve": (("serve-quick", "serve"), [
+        ("`p50_ms`, single stream over HTTP", "p50_ms", None),
+        ("`p99_ms`", "p99_ms", "<= 50"),
+        ("`qps` (4 clients)", "qps", None),
+        ("`mfalcon_speedup` (cached history vs recompute per candidate)", "mfalcon_speedup", ">= 10"),
+        ("`int8_vs_fp32_latency_ratio`", "int8_vs_fp32_latency_ratio", None),
+    ]),
+}
+CONSISTENT = {
+    "sparse": ("hot_path_ratio", "hot_path_ratio_default_config", "index_bytes_per_row"),
+    "dense": ("hstu_vs_transformer_256", "hstu_vs_transformer_1024", "jagged_vs_padded"),
+    "data": ("loader_vs_pyarrow_ratio",),
+}
+"""Ratios a quick bench must reproduce: within QUICK_TOLERANCE of its full run's (the others
+depend on size by design: the full runs are larger tables, histories and corpora)."""
+QUICK_TOLERANCE = 0.2
+QUALITY_SEEDS = ("quality-s0", "quality-s1")
+
+
+def load_records(directory: Path = FIGURES_DIR) -> dict[str, dict]:
+    records = {}
+    for path in sorted(Path(directory).glob("*.json")):
+        try:
+            records[path.stem] = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{path}: not a bench JSON ({e})") from None
+    return records
+
+
+def lookup(record: dict | None, key: str):
+    node = record
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, (int, float)) and not isinstance(node, bool) else None
+
+
+def fmt(x: float) -> str:
+    a = abs(x)
+    if a >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if a >= 1e4:
+        return f"{x / 1e3:.1f}K"
+    if a >= 100:
+        return f"{x:.0f}"
+    return f"{x:.2f}" if a >= 1 else f"{x:.3g}"
+
+
+def cell(record: dict | None, key: str) -> str:
+    value = lookup(record, key)
+    if value is None:
+        return "-"
+    spread = (record or {}).get(key + "_spread")
+    if isinstance(spread, dict) and {"min", "max"} <= spread.keys():
+        return f"{fmt(value)} [{fmt(spread['min'])}, {fmt(spread['max'])}]"
+    return fmt(value)
+
+
+def meets(value: float | None, target: str | None) -> str:
+    if target is None or value is None:
+        return target or ""
+    op, bound = target.split()
+    ok = value >= float(bound) if op == ">=" else value <= float(bound)
+    return f"{target} ({'met' if ok else 'missed'})"
+
+
+def conditions(name: str, record: dict | None) -> str:
+    if record is None:
+        return f"`{name}`: not recorded"
+    c = record.get("conditions", {})
+    before, after = (c.get("load_average_before") or [None])[0], (c.get("load_average_after") or [None])[0]
+    load = f"load average {before:.2f} before, {after:.2f} after" if before is not None and after is not None \
+        else "load not recorded"
+    commit = (c.get("git_commit") or "unknown")[:7] + ("+dirty" if "dirty" in (c.get("git_commit") or "") else "")
+    threads = (c.get("threads") or {}).get("torch")
+    took = f", {c['seconds']:.0f} s" if isinstance(c.get("seconds"), (int, float)) else ""
+    return f"`{name}`: commit {commit}, {load}, torch threads {threads}{took}"
+
+
+def render_table(name: str, records: dict[str, dict]) -> str:
+    columns, rows = TABLES[name]
+    head = "| figure | " + " | ".join(f"`{c}`" for c in columns) + " | target |"
+    lines = [head, "|---|" + "---|" * len(columns) + "---|"]
+    for label, key, target in rows:
+        judged = next((lookup(records.get(c), key) for c in reversed(columns)
+                       if lookup(records.get(c), key) is not None), None)
+        cells = " | ".join(cell(records.get(c), key) for c in columns)
+        lines.append(f"| {label} | {cells} | {meets(judged, target)} |")
+    lines.append("")
+    lines.append("Recorded in `configs/figures/` (median [min, max] over each bench's repeats): "
+                 + "; ".join(conditions(c, records.get(c)) for c in columns) + ".")
+    return "\n".join(lines)
+
+
+def render_quality(records: dict[str, dict]) -> str:
+    lines = ["| record | seed | test HR@10 [95% CI] | test NDCG@10 [95% CI] | best step | `train_wall_s` "
+             "| `tokens_per_s` | `seconds_to_hr10_0p08` |", "|---|---|---|---|---|---|---|---|"]
+    present = [(n, records[n]) for n in QUALITY_SEEDS if n in records]
+    for name, r in present:
+        ci = lambda k: "[{}, {}]".format(*(f"{v:.4f}" for v in r[k])) if r.get(k) else ""  # noqa: E731
+        lines.append(f"| `{name}` | {r.get('seed')} | {r['hr_at_10']:.4f} {ci('hr_at_10_ci95')} "
+                     f"| {r['ndcg_at_10']:.4f} {ci('ndcg_at_10_ci95')} "
+                     f"| {(r.get('best_checkpoint') or {}).get('step', '-')} | {fmt(r['train_wall_s'])} "
+                     f"| {fmt(r['tokens_per_s'])} | {cell(r, 'seconds_to_hr10_0p08')} |")
+    if present:
+        med = lambda k: statistics.median(r[k] for _, r in present)  # noqa: E731
+        lines.append(f"| median | | **{med('hr_at_10'):.4f}** | **{med('ndcg_at_10'):.4f}** | | "
+                     f"{fmt(med('train_wall_s'))} | {fmt(med('tokens_per_s'))} | |")
+    lines.append("")
+    lines.append("Recorded in `configs/figures/`: "
+                 + "; ".join(conditions(n, records.get(n)) for n in QUALITY_SEEDS) + ".")
+    return "\n".join(lines)
+
+
+def render(name: str, records: dict[str, dict]) -> str:
+    return render_quality(records) if name == "quality" else render_table(name, records)
+
+
+_BLOCK = re.compile(r"(<!-- figures:(\w+) -->\n)(.*?)(<!-- /figures:\2 -->)", re.S)
+
+
+def update(text: str, records: dict[str, dict]) -> str:
+    """`text` with every figures block re-rendered from `records`."""
+    names = re.findall(r"<!-- figures:(\w+) -->", text)
+    for name in names:
+        if name not in TABLES and name != "quality":
+            raise ValueError(f"README: unknown figures block {name!r} (known: {sorted([*TABLES, 'quality'])})")
+        if f"<!-- /figures:{name} -->" not in text:
+            raise ValueError(f"README: figures block {name!r} has no closing <!-- /figures:{name} -->")
+    return _BLOCK.sub(lambda m: m.group(1) + render(m.group(2), records) + "\n" + m.group(4), text)
+
+
+def quick_vs_full(records: dict[str, dict]) -> list[str]:
+    """One line per consistency ratio that a recorded quick/full pair gets wrong."""
+    problems = []
+    for bench, keys in CONSISTENT.items():
+        quick, full = records.get(f"{bench}-quick"), records.get(bench)
+        if quick is None or full is None:
+            continue
+        for key in keys:
+            q, f = lookup(quick, key), lookup(full, key)
+            if q is None or f is None:
+                problems.append(f"{bench}.{key}: missing from the quick or the full record")
+            elif abs(q / f - 1) > QUICK_TOLERANCE:
+                problems.append(f"{bench}.{key}: quick {q:.3g} vs full {f:.3g} ({q / f - 1:+.0%})")
+    return problems
+
+
+def command(check_only: bool, readme: Path = README, directory: Path = FIGURES_DIR) -> int:
+    text = readme.read_text()
+    new = update(text, load_records(directory))
+    if check_only:
+        if new != text:
+            print(f"genrec bench readme: {readme} disagrees with {directory}; run `genrec bench readme`")
+            return 1
+        print(f"genrec bench readme: {readme} matches {directory}")
+        return 0
+    if new != text:
+        atomic_write_text(readme, new)
+    print(f"genrec bench readme: {'rewrote' if new != text else 'unchanged'} {readme}")
+    return 0
