@@ -1,8 +1,10 @@
 """Tower benchmarks: `run(quick) -> dict` (called by `genrec bench dense`).
 
 Every comparison is measured side by side in one process (the machine is shared, so
-ratios mean more than absolute numbers). All training numbers are forward + backward under
-bf16 autocast with fp32 master weights, on skewed-length jagged batches.
+ratios mean more than absolute numbers). All training numbers are forward + backward in
+the precision training uses here (`train.precision = "auto"`: fp32 on CPU; bf16 autocast on
+a CPU without native bf16 matmuls was measured 5x slower than fp32), or the one in
+$GENREC_BENCH_PRECISION, on skewed-length jagged batches.
 
 Each ratio is the median over rounds in which both sides run in turn (`NAME_spread`: its
 median, min, max and rounds); `--quick` runs 5 rounds of smaller batches, the full run 9.
@@ -51,8 +53,11 @@ def _skewed_batch(max_len: int, num_tokens: int, seed: int, mean_frac: float = 0
     return torch.randn(T, 64, generator=g), offsets, ts
 
 
+PRECISION = os.environ.get("GENREC_BENCH_PRECISION", "fp32")
+
+
 def _train_step(tower, x, off, ts):
-    with autocast("bf16"):
+    with autocast(PRECISION):
         y = tower(x, off, ts)
     y.float().square().mean().backward()
 
@@ -125,7 +130,7 @@ def _run(quick: bool) -> dict:
     torch.manual_seed(0)
     reps = 5 if quick else 9
     out: dict = {"threads": torch.get_num_threads(), "load_average": os.getloadavg()[0],
-                 "precision": "bf16 autocast, fp32 weights"}
+                 "precision": PRECISION}
 
     lengths = [256, 1024, 4096] + ([] if quick else [8192])
     for n in lengths:
@@ -180,19 +185,19 @@ def _run(quick: bool) -> dict:
         full_ts = torch.cat([hist_ts, cand_ts])
 
         def recompute():
-            with torch.no_grad(), autocast("bf16"):
+            with torch.no_grad(), autocast(PRECISION):
                 tower(full, torch.tensor([0, hist_len + c]), full_ts, torch.tensor([c]))
 
         def cached():
-            with autocast("bf16"):
+            with autocast(PRECISION):
                 _, cache = tower.encode_history(hist, torch.tensor([0, hist_len]), hist_ts)
                 tower.score_targets(cache, cand, torch.tensor([0, c]), cand_ts)
 
-        with autocast("bf16"):
+        with autocast(PRECISION):
             _, cache = tower.encode_history(hist, torch.tensor([0, hist_len]), hist_ts)
 
         def score_only():
-            with autocast("bf16"):
+            with autocast(PRECISION):
                 tower.score_targets(cache, cand, torch.tensor([0, c]), cand_ts)
 
         t = _side_by_side({"full": recompute, "cached": cached, "score": score_only}, reps)

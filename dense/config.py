@@ -66,6 +66,14 @@ class TowerConfig:
     position embedding)."""
     input_dropout: float = 0.0
     """Dropout on the input tokens (after scaling and positions); the references use 0.2."""
+    lowpass_mix: float = 0.0
+    """HSTU: weight a of a causal low-pass branch (BSARec's inductive bias, Shin et al., AAAI
+    2024, made causal): each token's values V are also averaged over its row's last
+    `lowpass_window` tokens, itself included (a ranking candidate: itself and the history's
+    last ones), F = LPF(V) + beta * (V - LPF(V)) with beta learned per channel, and the
+    gate reads (1 - a) * LN(A V) + a * LN(F). 0: off."""
+    lowpass_window: int = 8
+    """HSTU: the low-pass branch's window, in tokens."""
     ffn_multiplier: int = 4
     """Transformer: FFN hidden width = ffn_multiplier * embedding_dim."""
     kernel: Literal["auto", "reference", "chunked", "sdpa"] = "auto"
@@ -93,12 +101,16 @@ class TowerConfig:
             raise ValueError(f"TowerConfig.num_time_buckets must be <= 255 (uint8 bucket index), got {self.num_time_buckets}")
         for name in ("embedding_dim", "num_layers", "num_heads", "attention_dim", "linear_dim",
                      "max_seq_len", "num_time_buckets", "target_micro_batch",
-                     "attention_block_elems", "ffn_multiplier"):
+                     "attention_block_elems", "ffn_multiplier", "lowpass_window"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TowerConfig.{name} must be positive, got {getattr(self, name)}")
         for name in ("dropout", "input_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"TowerConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0.0 <= self.lowpass_mix <= 1.0:
+            raise ValueError(f"TowerConfig.lowpass_mix must be in [0, 1], got {self.lowpass_mix}")
+        if self.lowpass_mix and self.kind != "hstu":
+            raise ValueError(f"TowerConfig.lowpass_mix is an HSTU branch; kind {self.kind!r} has none")
         if not 0.0 < self.bucket_min_fill <= 1.0:
             raise ValueError(f"TowerConfig.bucket_min_fill must be in (0, 1], got {self.bucket_min_fill}")
         if self.time_bias_query not in ("own", "next"):

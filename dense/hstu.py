@@ -4,6 +4,8 @@
     U, V, Q, K = split(SiLU(x_n @ W_uvqk + b))          (SiLU on U only: production variant)
     A = SiLU(alpha Q K^T + rab) / n  * mask              (pointwise, no softmax; see kernels.py)
     y = x + Linear(Dropout(U * LayerNorm(A V)))
+    with lowpass_mix a > 0 (TowerConfig): U * ((1 - a) LayerNorm(A V) + a LayerNorm(F)),
+    F = LPF(V) + beta * (V - LPF(V)), LPF the mean of each token's last `lowpass_window` V rows
 
 Tokens are jagged: x_TD holds every row's tokens back to back (see jagged.py).
 """
@@ -45,6 +47,10 @@ class HSTUBlock(nn.Module):
         for w in (self.ts_w, self.pos_w):
             if w is not None:
                 nn.init.normal_(w, std=0.02)
+        self.lowpass_mix, self.lowpass_window = cfg.lowpass_mix, cfg.lowpass_window
+        if self.lowpass_mix:
+            self.lowpass_norm = nn.LayerNorm(H * dv, eps=cfg.layer_norm_eps)
+            self.lowpass_beta = nn.Parameter(torch.ones(H * dv))
 
     def project(self, x_TD: torch.Tensor):
         """-> (u [T, H*dv], q [T, H, dq], k [T, H, dq], v [T, H, dv])."""
@@ -60,13 +66,48 @@ class HSTUBlock(nn.Module):
         shape = x_TD.shape[:-1]
         return u, q.reshape(*shape, H, dq), k.reshape(*shape, H, dq), v.reshape(*shape, H, dv)
 
-    def finish(self, x_TD: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """attn [..., H*dv] -> block output."""
-        return x_TD + self.output(self.dropout(u * self.attn_norm(attn)))
+    def finish(self, x_TD: torch.Tensor, u: torch.Tensor, attn: torch.Tensor,
+               lowpass_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """attn [..., H*dv] -> block output; `lowpass_sums` (see `lowpass`) with lowpass_mix."""
+        mixed = self.attn_norm(attn)
+        if self.lowpass_mix:
+            v, lpf = lowpass_sums
+            f = lpf + self.lowpass_beta * (v - lpf)
+            mixed = (1 - self.lowpass_mix) * mixed + self.lowpass_mix * self.lowpass_norm(f)
+        return x_TD + self.output(self.dropout(u * mixed))
+
+    def lowpass(self, v_TX: torch.Tensor, layout: JaggedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(V, LPF(V)) [T, H*dv]: each token's mean over its own V and the V of the up to
+        window - 1 tokens before its position in the row (a candidate's position is right
+        after the history: it averages the history's last tokens, never other candidates)."""
+        T = v_TX.shape[0]
+        row_T = torch.repeat_interleave(torch.arange(layout.batch_size, device=v_TX.device), layout.lengths_B,
+                                        output_size=T)
+        pos_T = layout.positions_T
+        anchor_T = layout.offsets_B1[row_T] + pos_T  # index of the token at the row's position pos
+        acc = v_TX
+        for m in range(1, self.lowpass_window):
+            src = (anchor_T - m).clamp(min=0)
+            acc = acc + v_TX[src] * (pos_T >= m).unsqueeze(1).to(v_TX.dtype)
+        n_T = (pos_T + 1).clamp(max=self.lowpass_window).unsqueeze(1).to(v_TX.dtype)
+        return v_TX, acc / n_T
+
+    def lowpass_candidates(self, v_BMX: torch.Tensor, values_BHLd: torch.Tensor,
+                           history_lengths_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`lowpass` of candidates [B, M, H*dv] scored against cached history values."""
+        B, H, L, dv = values_BHLd.shape
+        hist_BX = values_BHLd.transpose(1, 2).reshape(B, L, H * dv)
+        acc, rows = v_BMX, torch.arange(B, device=v_BMX.device)
+        for m in range(1, self.lowpass_window):
+            ok = (history_lengths_B >= m).to(v_BMX.dtype).unsqueeze(1)
+            acc = acc + (hist_BX[rows, (history_lengths_B - m).clamp(min=0)].to(v_BMX.dtype) * ok).unsqueeze(1)
+        n_B = (history_lengths_B + 1).clamp(max=self.lowpass_window).to(v_BMX.dtype)
+        return v_BMX, acc / n_B[:, None, None]
 
     def forward(self, x_TD: torch.Tensor, layout: JaggedLayout, return_kv: bool = False):
         """-> y_TD, or (y_TD, k_THd, v_THd) with return_kv (for the history cache)."""
         u, q, k, v = self.project(x_TD)
         attn = self.kernel(q, k, v, layout, self.ts_w, self.pos_w, self.params)
-        y = self.finish(x_TD, u, attn.flatten(1))
+        sums = self.lowpass(v.flatten(1), layout) if self.lowpass_mix else None
+        y = self.finish(x_TD, u, attn.flatten(1), sums)
         return (y, k, v) if return_kv else y

@@ -45,13 +45,13 @@ def test_fast_kernel_tower_matches_reference_tower(kind, with_targets):
     _fast_matches_reference(kind, with_targets, grad_atol=lambda b: 1e-4)
 
 
-def _fast_matches_reference(kind, with_targets, grad_atol):
+def _fast_matches_reference(kind, with_targets, grad_atol, **cfg):
     """The fast kernels' tower equals the reference kernels' (same weights), fwd + bwd;
     returns the fast tower."""
     lengths = [5, 0, 1, 37, 3, 9]
     targets = torch.tensor([1, 0, 1, 4, 0, 2]) if with_targets else None
     values, ts = rows(lengths)
-    towers = [perturbed(build_tower(small_cfg(kind=kind, kernel=k, attention_block_elems=500)))
+    towers = [perturbed(build_tower(small_cfg(kind=kind, kernel=k, attention_block_elems=500, **cfg)))
               for k in ("reference", "auto")]
     towers[1].load_state_dict(towers[0].state_dict())
     outs, grads = [], []
@@ -71,9 +71,43 @@ def _fast_matches_reference(kind, with_targets, grad_atol):
 @pytest.mark.parametrize("normalizer", ["max_seq_len", "num_keys"])
 @pytest.mark.parametrize("kernel", ["reference", "auto"])
 def test_kv_cache_scoring_equals_full_recompute(kind, normalizer, kernel):
+    _kv_cache_parity(small_cfg(kind=kind, normalizer=normalizer, kernel=kernel, target_micro_batch=3, dropout=0.3))
+
+
+@pytest.mark.parametrize("kernel", ["reference", "auto"])
+def test_kv_cache_scoring_with_the_lowpass_branch(kernel):
+    _kv_cache_parity(small_cfg(kernel=kernel, target_micro_batch=3, dropout=0.3, lowpass_mix=0.4, lowpass_window=3))
+
+
+@pytest.mark.parametrize("with_targets", [False, True])
+def test_lowpass_branch_fast_kernel_matches_reference(with_targets):
+    _fast_matches_reference("hstu", with_targets, grad_atol=lambda b: 1e-4, lowpass_mix=0.4, lowpass_window=4)
+
+
+def test_lowpass_branch_is_the_causal_window_mean():
+    """An independent transcription: a history token averages its own V and the window - 1
+    before it in its row; a candidate its own V and the last window - 1 of the history."""
+    from genrec.dense.jagged import make_layout
+
+    w = 3
+    hist_len, cand_len = [5, 1, 0, 2], [2, 0, 3, 1]
+    block = build_tower(small_cfg(lowpass_mix=0.4, lowpass_window=w)).layers[0]
+    lengths = [h + c for h, c in zip(hist_len, cand_len)]
+    v = torch.randn(sum(lengths), 6)
+    layout = make_layout(offsets(lengths), torch.zeros(sum(lengths), dtype=torch.long), torch.tensor(cand_len), 64)
+    _, got = block.lowpass(v, layout)
+    want, start = [], 0
+    for h, c in zip(hist_len, cand_len):
+        row = v[start:start + h + c]
+        want += [row[max(0, i - w + 1):i + 1].mean(0) for i in range(h)]
+        want += [torch.cat([row[max(0, h - w + 1):h], row[h + j:h + j + 1]]).mean(0) for j in range(c)]
+        start += h + c
+    torch.testing.assert_close(got, torch.stack(want))
+
+
+def _kv_cache_parity(cfg):
     hist_len, cand_len = [5, 1, 12, 0, 3], [4, 7, 0, 2, 1]
-    tower = perturbed(build_tower(small_cfg(kind=kind, normalizer=normalizer, kernel=kernel,
-                                            target_micro_batch=3, dropout=0.3))).eval()
+    tower = perturbed(build_tower(cfg)).eval()
     hist, hist_ts = rows(hist_len, seed=2)
     cand, _ = rows(cand_len, seed=3)
     cand_ts = [(h[-1] if len(h) else 0) + torch.arange(n) * 7 for h, n in zip(hist_ts, cand_len)]
