@@ -40,6 +40,11 @@ TABLES: dict[str, tuple[tuple[str, ...], list[tuple[str, str, str | None]]]] = {
         ("`offload_ratio`: table 10x the host cache, rest on SSD, vs all in memory", "offload_ratio", ">= 0.75"),
         ("`ssd_read_rows_per_s` (dim 64, page cache included)", "ssd_read_rows_per_s", None),
         ("`ssd_write_rows_per_s`", "ssd_write_rows_per_s", None),
+        ("scale run: rows materialized (dim 64)", "scale.rows", None),
+        ("scale run: rows/s while materializing", "scale.materialize_rows_per_s", None),
+        ("scale run: bytes on disk", "scale.disk_bytes", None),
+        ("scale run: anonymous RSS (heap), bytes", "scale.rssanon_bytes", None),
+        ("scale run: index bytes", "scale.index_bytes", None),
     ]),
     "dense": (("dense-quick", "dense"), [
         ("`hstu_vs_transformer_256` (HSTU tokens/s over the Transformer's)", "hstu_vs_transformer_256", None),
@@ -60,6 +65,7 @@ TABLES: dict[str, tuple[tuple[str, ...], list[tuple[str, str, str | None]]]] = {
     "train": (("train-quick", "train"), [
         ("`samples_per_s_1rank`", "samples_per_s_1rank", None),
         ("`samples_per_s_2rank` (2 gloo ranks, one thread each)", "samples_per_s_2rank", None),
+        ("`scaling_2rank_vs_1rank`", "scaling_2rank_vs_1rank", ">= 1.7"),
         ("`mfu` (of the measured one-thread fp32 matmul peak)", "mfu", None),
         ("`step_time_shares.sparse_lookup`", "step_time_shares.sparse_lookup", None),
     ]),
@@ -80,6 +86,8 @@ CONSISTENT = {
 depend on size by design: the full runs are larger tables, histories and corpora)."""
 QUICK_TOLERANCE = 0.2
 QUALITY_SEEDS = ("quality-s0", "quality-s1")
+PROFILES = ("profile-train", "profile-serve")
+"""`genrec profile` summaries (summary.json) copied here; rendered in blocks profile_train, profile_serve."""
 
 
 def load_records(directory: Path = FIGURES_DIR) -> dict[str, dict]:
@@ -101,6 +109,8 @@ def lookup(record: dict | None, key: str):
 
 def fmt(x: float) -> str:
     a = abs(x)
+    if a >= 1e9:
+        return f"{x / 1e9:.2f}G"
     if a >= 1e6:
         return f"{x / 1e6:.2f}M"
     if a >= 1e4:
@@ -136,9 +146,11 @@ def conditions(name: str, record: dict | None) -> str:
     load = f"load average {before:.2f} before, {after:.2f} after" if before is not None and after is not None \
         else "load not recorded"
     commit = (c.get("git_commit") or "unknown")[:7] + ("+dirty" if "dirty" in (c.get("git_commit") or "") else "")
-    threads = (c.get("threads") or {}).get("torch")
+    # The bench's own setting where it has one (benches pin their threads while they run).
+    threads = next((record[k] for k in ("torch_threads", "threads", "threads_per_rank")
+                    if isinstance(record.get(k), int)), (c.get("threads") or {}).get("torch"))
     took = f", {c['seconds']:.0f} s" if isinstance(c.get("seconds"), (int, float)) else ""
-    return f"`{name}`: commit {commit}, {load}, torch threads {threads}{took}"
+    return f"`{name}`: commit {commit}, {load}, {threads} thread(s){took}"
 
 
 def render_table(name: str, records: dict[str, dict]) -> str:
@@ -176,8 +188,25 @@ def render_quality(records: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def render_profile(records: dict[str, dict], name: str) -> str:
+    r = records.get(name)
+    if r is None:
+        return f"`{name}`: not recorded"
+    unit = "request" if r.get("target") == "serve" else "step"
+    lines = [f"| stage | ms per {unit} | share |", "|---|---|---|"]
+    lines += [f"| {x['stage']} | {x['ms_per_step']:.1f} | {100 * x['share']:.1f}% |" for x in r["stages"]]
+    mfu = f", MFU {r['mfu']:.3f} of a measured {r['matmul_peak_gflops']:.0f} GFLOP/s matmul peak" if "mfu" in r else ""
+    lines += ["", f"{r['steps']} profiled {unit}s, {r['step_ms']:.1f} ms per {unit}, {r['threads']} thread(s), peak "
+              f"RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB{mfu}. Recorded in `configs/figures/`: {conditions(name, r)}."]
+    return "\n".join(lines)
+
+
+RENDERERS = {"quality": render_quality,
+             **{name.replace("-", "_"): (lambda records, n=name: render_profile(records, n)) for name in PROFILES}}
+
+
 def render(name: str, records: dict[str, dict]) -> str:
-    return render_quality(records) if name == "quality" else render_table(name, records)
+    return RENDERERS[name](records) if name in RENDERERS else render_table(name, records)
 
 
 _BLOCK = re.compile(r"(<!-- figures:(\w+) -->\n)(.*?)(<!-- /figures:\2 -->)", re.S)
@@ -187,8 +216,8 @@ def update(text: str, records: dict[str, dict]) -> str:
     """`text` with every figures block re-rendered from `records`."""
     names = re.findall(r"<!-- figures:(\w+) -->", text)
     for name in names:
-        if name not in TABLES and name != "quality":
-            raise ValueError(f"README: unknown figures block {name!r} (known: {sorted([*TABLES, 'quality'])})")
+        if name not in TABLES and name not in RENDERERS:
+            raise ValueError(f"README: unknown figures block {name!r} (known: {sorted([*TABLES, *RENDERERS])})")
         if f"<!-- /figures:{name} -->" not in text:
             raise ValueError(f"README: figures block {name!r} has no closing <!-- /figures:{name} -->")
     return _BLOCK.sub(lambda m: m.group(1) + render(m.group(2), records) + "\n" + m.group(4), text)

@@ -14,8 +14,9 @@ Worked example (tables item(dim 4, features item_id and neg_item_id), action(dim
     loss.backward()                     # row-wise Adagrad already applied to rows 11, 12, 13, 21, 0, 1
 
 Training forward (module.training and grad enabled): per table, ids of all its features
-are deduplicated (torch.unique), sent to their owner rank (splitmix64(id) % world_size)
-with all-to-all, admitted / materialized / brought up from SSD there (on CUDA host hits
+are deduplicated (torch.unique) and, with several ranks, sent to their owner rank
+(splitmix64(id) % world_size) together with every other table's in one all-to-all
+(_GroupExchange), admitted / materialized / brought up from SSD there (on CUDA host hits
 move to the device tier too; on CPU both are process memory and they stay), and the
 rows come back. The returned values are the output of one autograd Function whose
 backward sums row gradients per unique id, sends them to the owners and applies the
@@ -37,6 +38,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
@@ -82,29 +84,117 @@ class _Exchange:
         return out_L
 
 
-class _TableCall:
-    """Everything one table's backward needs from its forward."""
+class _GroupExchange:
+    """All tables of one lookup routed to their owners together: three all-to-alls in the
+    forward (split counts; ids, counts and table numbers; rows) and one in the backward
+    (gradients), whatever the number of tables. One exchange per table made a 2-rank step
+    of the demo model (7 tables) about 28 gloo collectives, each a round trip between the
+    ranks. Rows of tables of different widths travel zero-padded to the widest."""
 
-    def __init__(self, store, inverse_N, num_local, exchange, owner_ids_U, owner_inv_R, admitted_U, now, locations):
-        self.locations = locations
-        self.store, self.inverse_N, self.num_local, self.exchange = store, inverse_N, num_local, exchange
-        self.owner_ids_U, self.owner_inv_R, self.admitted_U, self.now = owner_ids_U, owner_inv_R, admitted_U, now
+    def __init__(self, uniq_per_table: list[torch.Tensor], cnt_per_table: list[torch.Tensor], dims: list[int],
+                 group) -> None:
+        self.sizes, self.dims, self.width = [u.numel() for u in uniq_per_table], dims, max(dims)
+        ids_L = torch.cat(uniq_per_table)
+        table_L = torch.repeat_interleave(torch.arange(len(dims)), torch.tensor(self.sizes), output_size=ids_L.numel())
+        self.ex = _Exchange(ids_L, group)
+        recv = self.ex.to_owner(torch.stack([ids_L, torch.cat(cnt_per_table), table_L], dim=1))
+        self.received = recv
+        self.rows_R: torch.Tensor | None = None
+        # Per table on this (owner) rank: positions in the received list, and their unique ids.
+        self.owner: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for t in range(len(dims)):
+            sel_R = (recv[:, 2] == t).nonzero().squeeze(1)
+            ids_U, inv_R = torch.unique(recv[sel_R, 0], return_inverse=True)
+            cnt_U = torch.zeros_like(ids_U).index_add_(0, inv_R, recv[sel_R, 1])
+            self.owner.append((sel_R, ids_U, inv_R, cnt_U))
+
+    def put_rows(self, t: int, rows_UD: torch.Tensor) -> None:
+        """Table t's rows for its owner-side unique ids (in `owner[t]`'s order)."""
+        sel_R, _, inv_R, _ = self.owner[t]
+        if self.rows_R is None:
+            self.rows_R = rows_UD.new_zeros(self.received.shape[0], self.width)
+        self.rows_R[sel_R.to(rows_UD.device), : self.dims[t]] = rows_UD[inv_R.to(rows_UD.device)]
+
+    def rows_back(self) -> list[torch.Tensor]:
+        """Each table's rows for this rank's unique ids [L_t, D_t], from their owners."""
+        rows_L = self.ex.from_owner(self.rows_R)
+        return [part[:, :d] for part, d in zip(rows_L.split(self.sizes), self.dims)]
+
+    def grads_to_owner(self, grads_per_table: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-table gradients of this rank's unique ids -> each table's gradients summed per
+        owner-side unique id (`owner[t]`'s order)."""
+        padded = torch.cat([F.pad(g, (0, self.width - g.shape[1])) for g in grads_per_table])
+        grad_R = self.ex.to_owner(padded)
+        out = []
+        for (sel_R, ids_U, inv_R, _), d in zip(self.owner, self.dims):
+            g = grad_R[sel_R.to(grad_R.device), :d]
+            out.append(g.new_zeros(ids_U.numel(), d).index_add_(0, inv_R.to(g.device), g))
+        return out
+
+
+class _GroupCall:
+    """The backward of one grouped lookup: each table's member hands in its gradient, and
+    the last one sends them all to their owners in one exchange and applies them."""
+
+    def __init__(self, ex: _GroupExchange, stores, inverse_per_table, admitted, locations, now) -> None:
+        self.ex, self.stores, self.inverse, self.admitted, self.locations, self.now = (
+            ex, stores, inverse_per_table, admitted, locations, now)
+        self.grads: dict[int, torch.Tensor] = {}
+
+    def apply_grad(self, t: int, grad_ND: torch.Tensor) -> None:
+        grad_ND = grad_ND.float()  # rows and optimizer state are fp32 whatever autocast did
+        self.grads[t] = grad_ND.new_zeros(self.ex.sizes[t], grad_ND.shape[1]).index_add_(0, self.inverse[t], grad_ND)
+        if len(self.grads) < len(self.stores):
+            return
+        grads_U = self.ex.grads_to_owner([self.grads[i] for i in range(len(self.stores))])
+        for (_, ids_U, _, _), store, g, admitted, loc in zip(self.ex.owner, self.stores, grads_U, self.admitted,
+                                                            self.locations):
+            if loc is not None:  # fast path: all admitted, locations still valid
+                store.apply_grad(ids_U, g, self.now, loc)
+            else:
+                keep = admitted.nonzero().squeeze(1)
+                store.apply_grad(ids_U[keep], g[keep.to(g.device)], self.now)
+
+
+class _GroupMember:
+    """Table t of a grouped lookup, as _FusedLookup sees one table's call."""
+
+    def __init__(self, group: _GroupCall, t: int) -> None:
+        self.group, self.t = group, t
+
+    def output(self, values_LD: torch.Tensor) -> torch.Tensor:
+        return values_LD.index_select(0, self.group.inverse[self.t])
+
+    def apply_grad(self, grad_ND: torch.Tensor) -> None:
+        self.group.apply_grad(self.t, grad_ND)
+
+
+class _EvalCall:
+    """A read-only lookup's table: its rows per occurrence."""
+
+    def __init__(self, inverse_N: torch.Tensor) -> None:
+        self.inverse_N = inverse_N
+
+    def output(self, values_LD: torch.Tensor) -> torch.Tensor:
+        return values_LD.index_select(0, self.inverse_N)
+
+
+class _TableCall:
+    """One table's training lookup on one rank through torch.unique and the store (the
+    path without the fused native lookup): what its backward needs."""
+
+    def __init__(self, store, inverse_N, ids_U, admitted_U, now, locations) -> None:
+        self.store, self.inverse_N, self.ids_U, self.admitted_U = store, inverse_N, ids_U, admitted_U
+        self.now, self.locations = now, locations
 
     def apply_grad(self, grad_ND: torch.Tensor) -> None:
         grad_ND = grad_ND.float()  # rows and optimizer state are fp32 whatever autocast did
-        d = grad_ND.shape[1]
-        grad_LD = grad_ND.new_zeros(self.num_local, d).index_add_(0, self.inverse_N, grad_ND)
-        if self.owner_inv_R is None:  # single rank: local unique ids are the owner's
-            grad_UD = grad_LD
-        else:
-            grad_RD = self.exchange.to_owner(grad_LD)
-            grad_UD = grad_RD.new_zeros(self.owner_ids_U.numel(), d).index_add_(0, self.owner_inv_R, grad_RD)
+        grad_UD = grad_ND.new_zeros(self.ids_U.numel(), grad_ND.shape[1]).index_add_(0, self.inverse_N, grad_ND)
         if self.locations is not None:  # fast path: all admitted, locations still valid
-            self.store.apply_grad(self.owner_ids_U, grad_UD, self.now, self.locations)
+            self.store.apply_grad(self.ids_U, grad_UD, self.now, self.locations)
             return
         keep = self.admitted_U.nonzero().squeeze(1)
-        self.store.apply_grad(self.owner_ids_U[keep], grad_UD[keep.to(grad_UD.device)], self.now)
-
+        self.store.apply_grad(self.ids_U[keep], grad_UD[keep.to(grad_UD.device)], self.now)
 
     def output(self, values_LD: torch.Tensor) -> torch.Tensor:
         return values_LD.index_select(0, self.inverse_N)
@@ -226,35 +316,16 @@ class TieredEmbeddingCollection(nn.Module):
         train = self.training and torch.is_grad_enabled()
         now = self.event_time
         calls, values, layout = [], [], []
-        for name, feats in self._ids_per_table(kjt):
-            store = self.stores[name]
-            parts = [jt.values() for _, jt in feats]
-            ids_N = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(torch.int64).cpu()
-            if train and self.world_size == 1 and store.native_rows:
-                vals_N, ctx = store.train_forward(ids_N, now)
-                calls.append(_LocalCall(store, ctx))
-                values.append(vals_N)
+        tables = self._ids_per_table(kjt)
+        if self.world_size > 1 and tables:
+            calls, values = self._grouped_lookup(tables, train, now)
+            layout = [feats for _, feats in tables]
+        else:
+            for name, feats in tables:
+                call, vals = self._local_lookup(self.stores[name], self._table_ids(feats), train, now)
+                calls.append(call)
+                values.append(vals)
                 layout.append(feats)
-                continue
-            uniq_L, inv_N, cnt_L = torch.unique(ids_N, return_inverse=True, return_counts=True)
-            ex = _Exchange(uniq_L, self.group)
-            if ex.world == 1:
-                owner_ids, owner_inv, owner_cnt = uniq_L, None, cnt_L
-            else:
-                recv = ex.to_owner(torch.stack([uniq_L, cnt_L], dim=1))
-                owner_ids, owner_inv = torch.unique(recv[:, 0], return_inverse=True)
-                owner_cnt = torch.zeros_like(owner_ids).index_add_(0, owner_inv, recv[:, 1])
-            locations = None
-            if train:
-                vals_U, admitted = store.lookup_train(owner_ids, owner_cnt, now)
-                locations = store.last_locations
-            else:
-                vals_U, admitted = store.lookup_eval(owner_ids, now), None
-            vals_L = ex.from_owner(vals_U[owner_inv.to(vals_U.device)] if ex.world > 1 else vals_U)
-            inv_N = inv_N.to(vals_L.device)
-            calls.append(_TableCall(store, inv_N, uniq_L.numel(), ex, owner_ids, owner_inv, admitted, now, locations))
-            values.append(vals_L)
-            layout.append(feats)
         if train and calls:
             outs = _FusedLookup.apply(self._anchor, calls, *values)
         else:
@@ -266,6 +337,48 @@ class TieredEmbeddingCollection(nn.Module):
             for (key, jt), part in zip(feats, out_ND.split(sizes) if len(feats) > 1 else [out_ND]):
                 result[key] = JaggedTensor(values=part, lengths=jt.lengths())
         return result
+
+    @staticmethod
+    def _local_lookup(store: TableStore, ids_N: torch.Tensor, train: bool, now: int | None):
+        """One rank: (call, values) of one table's lookup."""
+        if train and store.native_rows:
+            vals_N, ctx = store.train_forward(ids_N, now)
+            return _LocalCall(store, ctx), vals_N
+        uniq_U, inv_N, cnt_U = torch.unique(ids_N, return_inverse=True, return_counts=True)
+        if not train:
+            vals_U = store.lookup_eval(uniq_U, now)
+            return _EvalCall(inv_N.to(vals_U.device)), vals_U
+        vals_U, admitted_U = store.lookup_train(uniq_U, cnt_U, now)
+        return _TableCall(store, inv_N.to(vals_U.device), uniq_U, admitted_U, now, store.last_locations), vals_U
+
+    @staticmethod
+    def _table_ids(feats) -> torch.Tensor:
+        parts = [jt.values() for _, jt in feats]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(torch.int64).cpu()
+
+    def _grouped_lookup(self, tables, train: bool, now: int | None):
+        """Several ranks: every table of the lookup through one _GroupExchange. Returns the
+        per-table calls (for _FusedLookup) and rows of this rank's unique ids."""
+        stores = [self.stores[name] for name, _ in tables]
+        uniq, inverse, counts = zip(*(torch.unique(self._table_ids(feats), return_inverse=True, return_counts=True)
+                                      for _, feats in tables))
+        ex = _GroupExchange(list(uniq), list(counts), [s.dim for s in stores], self.group)
+        admitted, locations = [], []
+        for t, store in enumerate(stores):
+            _, ids_U, _, cnt_U = ex.owner[t]
+            if train:
+                rows_UD, adm = store.lookup_train(ids_U, cnt_U, now)
+                admitted.append(adm)
+                locations.append(store.last_locations)
+            else:
+                rows_UD = store.lookup_eval(ids_U, now)
+            ex.put_rows(t, rows_UD)
+        values = ex.rows_back()
+        inverse = [inv.to(v.device) for inv, v in zip(inverse, values)]
+        if not train:
+            return [_EvalCall(inv) for inv in inverse], values
+        group = _GroupCall(ex, stores, inverse, admitted, locations, now)
+        return [_GroupMember(group, t) for t in range(len(stores))], values
 
     def prefetch(self, kjt: KeyedJaggedTensor) -> None:
         """Bring the existing rows of an upcoming batch up to the device tier (collective)."""

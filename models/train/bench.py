@@ -40,7 +40,7 @@ def _overrides(data: Path, out: Path, steps: int) -> list[str]:
     return [f'data.path="{data}"', f'train.out_dir="{out}"', f"train.max_steps={steps}",
             "train.checkpoint_every=1000000", "train.tensorboard=false", "train.log_every=1000000",
             "data.loader.batch_size=32", "data.loader.max_seq_len=64", "dense.max_seq_len=80",
-            "train.optim.warmup_steps=0"]
+            "train.optim.warmup_steps=0", "train.num_threads=1"]
 
 
 def _tower_flops(cfg, batch) -> float:
@@ -121,7 +121,7 @@ def _time_two_ranks(cfg_path: Path, overrides: list[str], steps: int) -> dict:
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen(
             [sys.executable, "-c", _TWO_RANKS, str(cfg_path), json.dumps(overrides), str(steps)],
@@ -165,6 +165,7 @@ def run(quick: bool = False) -> dict:
     return {
         "samples_per_s_1rank": one["samples"] / one["seconds"],
         "samples_per_s_2rank": 2 * two["samples_rank0"] / two["seconds"],
+        "scaling_2rank_vs_1rank": (2 * two["samples_rank0"] / two["seconds"]) / (one["samples"] / one["seconds"]),
         "tokens_per_s_1rank": one["tokens"] / one["seconds"],
         "mfu": one["flops"] / one["seconds"] / 1e9 / peak,
         "matmul_peak_gflops_fp32_1thread": peak,

@@ -44,6 +44,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
 from genrec.data.files import atomic_write_text, claim_output_dir
+from genrec.models.benchrecord import finish_record, start_record
 from genrec.models.config import JobConfig
 
 SPARSE_BACKWARD = "_FusedLookupBackward"
@@ -87,8 +88,9 @@ def _profiled(out: Path, steps: int, step: Callable[[int], None]) -> tuple[profi
     return prof, seconds
 
 
-def _write(out: Path, target: str, summary: dict) -> dict:
-    summary = {"format": PROFILE_FORMAT, "target": target, **summary}
+def _write(out: Path, target: str, summary: dict, record: dict) -> dict:
+    """summary.json (with the conditions it was taken under, as a bench JSON has) and summary.md."""
+    summary = {"format": PROFILE_FORMAT, "target": target, **summary, "conditions": finish_record(record)}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     atomic_write_text(out / "summary.md", _markdown(summary))
     return summary
@@ -111,7 +113,7 @@ def profile_training(cfg: JobConfig, steps: int, out: str | Path, overwrite: boo
     the summary written to OUT/summary.json."""
     from genrec.models.train.bench import _tower_flops, matmul_peak_gflops
 
-    out = _start(out, steps, overwrite)
+    out, record = _start(out, steps, overwrite), start_record()
     cfg, trainer, batches = _trainer(cfg, steps, out)
     flops, loader_state = 0.0, None
 
@@ -133,7 +135,7 @@ def profile_training(cfg: JobConfig, steps: int, out: str | Path, overwrite: boo
     seconds, peak = sum(step_seconds), matmul_peak_gflops()
     summary.update(checkpoint_ms=1e3 * checkpoint_s, tower_gflops_per_s=flops / seconds / 1e9,
                    matmul_peak_gflops=peak, mfu=flops / seconds / 1e9 / peak)
-    return _write(out, "train", summary)
+    return _write(out, "train", summary, record)
 
 
 def profile_sparse(cfg: JobConfig, steps: int, out: str | Path, overwrite: bool = False) -> dict:
@@ -142,7 +144,7 @@ def profile_sparse(cfg: JobConfig, steps: int, out: str | Path, overwrite: bool 
     (genrec.sparse_backward); no tower, no loss, no dense optimizer."""
     from genrec.models.build import unwrap
 
-    out = _start(out, steps, overwrite)
+    out, record = _start(out, steps, overwrite), start_record()
     _, trainer, batches = _trainer(cfg, steps, out)
     embeddings = unwrap(trainer.model).embeddings
     lookups = 0
@@ -164,7 +166,7 @@ def profile_sparse(cfg: JobConfig, steps: int, out: str | Path, overwrite: bool 
     prof, step_seconds = _profiled(out, steps, step)
     summary = _summarize(prof, steps, step_seconds, SPARSE_STAGES)
     summary["lookups_per_s"] = lookups / sum(step_seconds)
-    return _write(out, "sparse", summary)
+    return _write(out, "sparse", summary, record)
 
 
 def profile_serving(artifact: str | Path, data: str | Path, steps: int, out: str | Path,
@@ -175,7 +177,7 @@ def profile_serving(artifact: str | Path, data: str | Path, steps: int, out: str
     from genrec.models.serving.ranker import load_artifact
     from genrec.models.serving.requests import split_requests
 
-    out = _start(out, steps, overwrite)
+    out, record = _start(out, steps, overwrite), start_record()
     ranker = load_artifact(artifact)
     requests = split_requests(data, ranker.features, steps + 1)
     if not requests:
@@ -188,7 +190,7 @@ def profile_serving(artifact: str | Path, data: str | Path, steps: int, out: str
     prof, step_seconds = _profiled(out, steps, step)
     summary = _summarize(prof, steps, step_seconds, SERVE_STAGES)
     summary["candidates_per_request"] = k
-    return _write(out, "serve", summary)
+    return _write(out, "serve", summary, record)
 
 
 def _summarize(prof, steps: int, step_seconds: list[float], stage_names: tuple[str, ...]) -> dict:
