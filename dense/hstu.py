@@ -67,11 +67,11 @@ class HSTUBlock(nn.Module):
         return u, q.reshape(*shape, H, dq), k.reshape(*shape, H, dq), v.reshape(*shape, H, dv)
 
     def finish(self, x_TD: torch.Tensor, u: torch.Tensor, attn: torch.Tensor,
-               lowpass_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """attn [..., H*dv] -> block output; `lowpass_sums` (see `lowpass`) with lowpass_mix."""
+               v_lpf: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """attn [..., H*dv] -> block output; `v_lpf` = (V, LPF(V)) from `lowpass` with lowpass_mix."""
         mixed = self.attn_norm(attn)
         if self.lowpass_mix:
-            v, lpf = lowpass_sums
+            v, lpf = v_lpf
             f = lpf + self.lowpass_beta * (v - lpf)
             mixed = (1 - self.lowpass_mix) * mixed + self.lowpass_mix * self.lowpass_norm(f)
         return x_TD + self.output(self.dropout(u * mixed))
@@ -108,6 +108,6 @@ class HSTUBlock(nn.Module):
         """-> y_TD, or (y_TD, k_THd, v_THd) with return_kv (for the history cache)."""
         u, q, k, v = self.project(x_TD)
         attn = self.kernel(q, k, v, layout, self.ts_w, self.pos_w, self.params)
-        sums = self.lowpass(v.flatten(1), layout) if self.lowpass_mix else None
-        y = self.finish(x_TD, u, attn.flatten(1), sums)
+        v_lpf = self.lowpass(v.flatten(1), layout) if self.lowpass_mix else None
+        y = self.finish(x_TD, u, attn.flatten(1), v_lpf)
         return (y, k, v) if return_kv else y

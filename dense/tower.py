@@ -202,10 +202,10 @@ class SequenceTower(nn.Module):
             if fused:
                 fused_attn = hstu_target_attention_fused(
                     q, k, v, K, V, layer.ts_w, layer.pos_w, hist_B, cache.timestamps_BL, ts_BM, layer.params)
-            sums = (layer.lowpass_candidates(v.transpose(1, 2).reshape(B, M, -1), V, hist_B)
+            v_lpf = (layer.lowpass_candidates(v.transpose(1, 2).reshape(B, M, -1), V, hist_B)
                     if self.cfg.kind == "hstu" and layer.lowpass_mix else None)
             if fused_attn is not None:
-                x_BMD = layer.finish(x_BMD, u, fused_attn.transpose(1, 2).reshape(B, M, -1), sums)
+                x_BMD = layer.finish(x_BMD, u, fused_attn.transpose(1, 2).reshape(B, M, -1), v_lpf)
                 continue
             s_hist = torch.matmul(q, K.transpose(-1, -2))     # [B, H, M, L]
             s_self = (q * k).sum(-1, keepdim=True)            # [B, H, M, 1]
@@ -236,7 +236,7 @@ class SequenceTower(nn.Module):
                 a_hist, a_self = a[..., :L], a[..., L:]
             attn = torch.matmul(a_hist.to(V.dtype), V) + a_self.to(v.dtype) * v   # [B, H, M, dv]
             attn = attn.transpose(1, 2).reshape(B, M, -1)
-            x_BMD = layer.finish(x_BMD, u, attn) if sums is None else layer.finish(x_BMD, u, attn, sums)
+            x_BMD = layer.finish(x_BMD, u, attn) if v_lpf is None else layer.finish(x_BMD, u, attn, v_lpf)
         return self.final_norm(x_BMD)
 
 

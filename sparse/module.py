@@ -84,6 +84,15 @@ class _Exchange:
         return out_L
 
 
+def _apply_rows_grad(store, ids_U, grad_UD, admitted_U, locations, now) -> None:
+    """The optimizer step of a training lookup's unique ids on their owner."""
+    if locations is not None:  # fast path: all admitted, locations still valid
+        store.apply_grad(ids_U, grad_UD, now, locations)
+        return
+    keep = admitted_U.nonzero().squeeze(1)
+    store.apply_grad(ids_U[keep], grad_UD[keep.to(grad_UD.device)], now)
+
+
 class _GroupExchange:
     """All tables of one lookup routed to their owners together: three all-to-alls in the
     forward (split counts; ids, counts and table numbers; rows) and one in the backward
@@ -149,11 +158,7 @@ class _GroupCall:
         grads_U = self.ex.grads_to_owner([self.grads[i] for i in range(len(self.stores))])
         for (_, ids_U, _, _), store, g, admitted, loc in zip(self.ex.owner, self.stores, grads_U, self.admitted,
                                                             self.locations):
-            if loc is not None:  # fast path: all admitted, locations still valid
-                store.apply_grad(ids_U, g, self.now, loc)
-            else:
-                keep = admitted.nonzero().squeeze(1)
-                store.apply_grad(ids_U[keep], g[keep.to(g.device)], self.now)
+            _apply_rows_grad(store, ids_U, g, admitted, loc, self.now)
 
 
 class _GroupMember:
@@ -190,11 +195,7 @@ class _TableCall:
     def apply_grad(self, grad_ND: torch.Tensor) -> None:
         grad_ND = grad_ND.float()  # rows and optimizer state are fp32 whatever autocast did
         grad_UD = grad_ND.new_zeros(self.ids_U.numel(), grad_ND.shape[1]).index_add_(0, self.inverse_N, grad_ND)
-        if self.locations is not None:  # fast path: all admitted, locations still valid
-            self.store.apply_grad(self.ids_U, grad_UD, self.now, self.locations)
-            return
-        keep = self.admitted_U.nonzero().squeeze(1)
-        self.store.apply_grad(self.ids_U[keep], grad_UD[keep.to(grad_UD.device)], self.now)
+        _apply_rows_grad(self.store, self.ids_U, grad_UD, self.admitted_U, self.locations, self.now)
 
     def output(self, values_LD: torch.Tensor) -> torch.Tensor:
         return values_LD.index_select(0, self.inverse_N)

@@ -119,44 +119,27 @@ def test_every_negative_mode_trains(prepared, tmp_path, negatives):
     assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
-def test_full_softmax_is_the_exact_cross_entropy_over_the_corpus(prepared, tmp_path):
+@pytest.mark.parametrize("similarity", ["cosine", "dot"])
+def test_full_softmax_is_the_exact_cross_entropy_over_the_corpus(prepared, tmp_path, similarity):
+    """Cosine: L2-normalized states and rows over the temperature; "dot": raw inner products
+    (and the user vector evaluation scores with is the raw state)."""
     import torch.nn.functional as F
 
-    cfg, net = _model(prepared, tmp_path, negatives="full")
+    cfg, net = _model(prepared, tmp_path, negatives="full", similarity=similarity, temperature=0.5)
     net.eval()
     batch = _batch(cfg, prepared)
+    vec = (lambda x: F.normalize(x, dim=-1)) if similarity == "cosine" else (lambda x: x)
     with torch.no_grad():
         loss, _ = net(batch)
         states, _, _ = net.encode(batch)
         items = batch.history[cfg.data.features.item].values()
         last = batch.history_offsets_B1[1:] - 1
         src = torch.tensor([t for t in range(len(items)) if t not in set(last.tolist())])
-        corpus = net.item_corpus
-        q = F.normalize(states[src], dim=-1)
-        e = F.normalize(net.item_rows(corpus), dim=-1)
-        logits = q @ e.T / cfg.model.temperature
-        target = torch.searchsorted(corpus, items[src + 1])
-        expected = F.cross_entropy(logits, target)
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_dot_similarity_is_the_cross_entropy_of_raw_inner_products(prepared, tmp_path):
-    import torch.nn.functional as F
-
-    cfg, net = _model(prepared, tmp_path, negatives="full", similarity="dot", temperature=0.5)
-    net.eval()
-    batch = _batch(cfg, prepared)
-    with torch.no_grad():
-        loss, _ = net(batch)
-        states, _, _ = net.encode(batch)
-        items = batch.history[cfg.data.features.item].values()
-        last = set((batch.history_offsets_B1[1:] - 1).tolist())
-        src = torch.tensor([t for t in range(len(items)) if t not in last])
-        logits = states[src] @ net.item_rows(net.item_corpus).T / 0.5
+        logits = vec(states[src]) @ vec(net.item_rows(net.item_corpus)).T / 0.5
         expected = F.cross_entropy(logits, torch.searchsorted(net.item_corpus, items[src + 1]))
         user = net.user_embeddings(batch)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(user, states[batch.history_offsets_B1[1:] - 1])  # not normalized
+    torch.testing.assert_close(user, vec(states[last]), rtol=1e-5, atol=1e-6)
 
 
 def test_contrastive_term_is_the_two_view_infonce(prepared, tmp_path):
