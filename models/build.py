@@ -81,10 +81,15 @@ class _AveragedRowGrads(nn.Module):
         self.scale = 1.0 / world_size
 
     def forward(self, kjt):
-        return {
-            key: JaggedTensor(values=_ScaleGrad.apply(jt.values(), self.scale), lengths=jt.lengths(), offsets=jt.offsets())
-            for key, jt in self.store(kjt).items()
-        }
+        return self._scaled(self.store(kjt))
+
+    def lookup_many(self, kjts):
+        return [self._scaled(rows) for rows in self.store.lookup_many(kjts)]
+
+    def _scaled(self, rows: dict) -> dict:
+        return {key: JaggedTensor(values=_ScaleGrad.apply(jt.values(), self.scale), lengths=jt.lengths(),
+                                  offsets=jt.offsets())
+                for key, jt in rows.items()}
 
 
 class _DDPRecommender(nn.Module):

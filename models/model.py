@@ -200,13 +200,23 @@ class GenerativeRecommender(nn.Module):
 
     # ---- tokens -------------------------------------------------------------------------
 
-    def _tokens(self, kjt: KeyedJaggedTensor, keys: list[str], which: str) -> tuple[torch.Tensor, dict]:
+    def _lookup(self, kjts: list[KeyedJaggedTensor]) -> list[dict]:
+        """Embedding rows of several KJTs; the sharded store looks them all up in one exchange
+        (`lookup_many`), any other module one by one."""
         with record_function("genrec.sparse_forward"):  # a range for `genrec profile`
-            embedded = self.embeddings(kjt)
+            many = getattr(self.embeddings, "lookup_many", None)
+            return many(kjts) if many is not None else [self.embeddings(k) for k in kjts]
+
+    def _combine(self, embedded: dict, keys: list[str], which: str) -> torch.Tensor:
+        """One token per event from its features' rows (`model.token_combine`)."""
         parts = [embedded[k].values() for k in keys]
         if self.project is None:
-            return torch.stack(parts).sum(0), embedded
-        return self.project[which](torch.cat(parts, dim=-1)), embedded
+            return torch.stack(parts).sum(0)
+        return self.project[which](torch.cat(parts, dim=-1))
+
+    def _tokens(self, kjt: KeyedJaggedTensor, keys: list[str], which: str) -> tuple[torch.Tensor, dict]:
+        embedded = self._lookup([kjt])[0]
+        return self._combine(embedded, keys, which), embedded
 
     def _candidate_kjt(self, candidates: KeyedJaggedTensor) -> KeyedJaggedTensor:
         return KeyedJaggedTensor.from_jt_dict({k: candidates[k] for k in self.candidate_features})
@@ -228,12 +238,14 @@ class GenerativeRecommender(nn.Module):
         """History states [T, D] (causal), the task heads' input per candidate (`head_input`:
         [C, D] or [C, 2D]; None without candidates), and the history's item rows [T, D] (the
         retrieval head's positives)."""
-        tokens_TD, embedded = self._tokens(batch.history, self.features.sparse, "history")
-        item_rows_TD = embedded[self.features.item].values()
+        kjts = [batch.history] + ([] if batch.candidates is None else [self._candidate_kjt(batch.candidates)])
+        embedded = self._lookup(kjts)
+        tokens_TD = self._combine(embedded[0], self.features.sparse, "history")
+        item_rows_TD = embedded[0][self.features.item].values()
         lengths_B = batch.history_lengths_B
         if batch.candidates is None:
             return self._history_states(batch, tokens_TD), None, item_rows_TD
-        cand_TD, _ = self._tokens(self._candidate_kjt(batch.candidates), self.candidate_features, "candidates")
+        cand_TD = self._combine(embedded[1], self.candidate_features, "candidates")
         cand_lengths_B = batch.candidates.lengths().view(len(batch.candidates.keys()), -1)[0].long()
         values, offsets_B1, cand_pos = interleave_jagged(tokens_TD, lengths_B, cand_TD, cand_lengths_B)
         ts, _, _ = interleave_jagged(

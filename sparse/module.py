@@ -145,9 +145,11 @@ class _GroupCall:
     """The backward of one grouped lookup: each table's member hands in its gradient, and
     the last one sends them all to their owners in one exchange and applies them."""
 
-    def __init__(self, ex: _GroupExchange, stores, inverse_per_table, admitted, locations, now) -> None:
+    def __init__(self, ex: _GroupExchange, stores, inverse_per_table, admitted, locations, now,
+                 apply_order: list[int]) -> None:
         self.ex, self.stores, self.inverse, self.admitted, self.locations, self.now = (
             ex, stores, inverse_per_table, admitted, locations, now)
+        self.apply_order = apply_order
         self.grads: dict[int, torch.Tensor] = {}
 
     def apply_grad(self, t: int, grad_ND: torch.Tensor) -> None:
@@ -156,9 +158,9 @@ class _GroupCall:
         if len(self.grads) < len(self.stores):
             return
         grads_U = self.ex.grads_to_owner([self.grads[i] for i in range(len(self.stores))])
-        for (_, ids_U, _, _), store, g, admitted, loc in zip(self.ex.owner, self.stores, grads_U, self.admitted,
-                                                            self.locations):
-            _apply_rows_grad(store, ids_U, g, admitted, loc, self.now)
+        for e in self.apply_order:
+            _apply_rows_grad(self.stores[e], self.ex.owner[e][1], grads_U[e], self.admitted[e], self.locations[e],
+                             self.now)
 
 
 class _GroupMember:
@@ -314,30 +316,43 @@ class TieredEmbeddingCollection(nn.Module):
     def forward(self, kjt: KeyedJaggedTensor, event_time: int | None = None) -> dict[str, JaggedTensor]:
         if event_time is not None:
             self.set_event_time(event_time)
+        return self._lookup([kjt])[0]
+
+    def lookup_many(self, kjts: list[KeyedJaggedTensor]) -> list[dict[str, JaggedTensor]]:
+        """`forward` of several KJTs (e.g. a batch's histories and its candidates): with
+        several ranks every table of every KJT shares one exchange, so a training step makes
+        one set of collectives instead of one per KJT (every rank must pass KJTs with the
+        same keys, in the same order); on one rank, exactly `forward` of each in turn."""
+        if self.world_size == 1:
+            return [self._lookup([kjt])[0] for kjt in kjts]
+        return self._lookup(kjts)
+
+    def _lookup(self, kjts: list[KeyedJaggedTensor]) -> list[dict[str, JaggedTensor]]:
         train = self.training and torch.is_grad_enabled()
         now = self.event_time
-        calls, values, layout = [], [], []
-        tables = self._ids_per_table(kjt)
-        if self.world_size > 1 and tables:
-            calls, values = self._grouped_lookup(tables, train, now)
-            layout = [feats for _, feats in tables]
+        entries = [(i, name, feats) for i, kjt in enumerate(kjts) for name, feats in self._ids_per_table(kjt)]
+        calls, values = [], []
+        if self.world_size > 1 and entries:
+            # Backward applies the KJTs' rows last KJT first, as autograd runs separate lookups
+            # (the later node first): rows in two KJTs get the same optimizer steps either way.
+            order = sorted(range(len(entries)), key=lambda e: (-entries[e][0], e))
+            calls, values = self._grouped_lookup([(name, feats) for _, name, feats in entries], train, now, order)
         else:
-            for name, feats in tables:
+            for _, name, feats in entries:
                 call, vals = self._local_lookup(self.stores[name], self._table_ids(feats), train, now)
                 calls.append(call)
                 values.append(vals)
-                layout.append(feats)
         if train and calls:
             outs = _FusedLookup.apply(self._anchor, calls, *values)
         else:
             outs = [c.output(v) for v, c in zip(values, calls)]
-        result: dict[str, JaggedTensor] = {}
-        for out_ND, feats in zip(outs, layout):
+        results: list[dict[str, JaggedTensor]] = [{} for _ in kjts]
+        for out_ND, (i, _, feats) in zip(outs, entries):
             sizes = [int(jt.values().numel()) for _, jt in feats]
             # One feature: the rows as they are (a split's backward would copy its gradient).
             for (key, jt), part in zip(feats, out_ND.split(sizes) if len(feats) > 1 else [out_ND]):
-                result[key] = JaggedTensor(values=part, lengths=jt.lengths())
-        return result
+                results[i][key] = JaggedTensor(values=part, lengths=jt.lengths())
+        return results
 
     @staticmethod
     def _local_lookup(store: TableStore, ids_N: torch.Tensor, train: bool, now: int | None):
@@ -357,7 +372,7 @@ class TieredEmbeddingCollection(nn.Module):
         parts = [jt.values() for _, jt in feats]
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(torch.int64).cpu()
 
-    def _grouped_lookup(self, tables, train: bool, now: int | None):
+    def _grouped_lookup(self, tables, train: bool, now: int | None, apply_order: list[int]):
         """Several ranks: every table of the lookup through one _GroupExchange. Returns the
         per-table calls (for _FusedLookup) and rows of this rank's unique ids."""
         stores = [self.stores[name] for name, _ in tables]
@@ -378,7 +393,7 @@ class TieredEmbeddingCollection(nn.Module):
         inverse = [inv.to(v.device) for inv, v in zip(inverse, values)]
         if not train:
             return [_EvalCall(inv) for inv in inverse], values
-        group = _GroupCall(ex, stores, inverse, admitted, locations, now)
+        group = _GroupCall(ex, stores, inverse, admitted, locations, now, apply_order)
         return [_GroupMember(group, t) for t in range(len(stores))], values
 
     def prefetch(self, kjt: KeyedJaggedTensor) -> None:
