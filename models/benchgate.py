@@ -102,10 +102,12 @@ def run_all(quick: bool) -> dict:
 
 
 def _figure(result: dict, dotted: str):
-    bench, _, key = dotted.partition(".")
-    figures = result.get("benches", {}).get(bench) if "benches" in result else result
-    value = (figures or {}).get(key)
-    return value if isinstance(value, (int, float)) else None
+    """The number at "bench.key" of a `bench all` result (or "key" of one bench's), or None."""
+    from genrec.models.figures import lookup
+
+    if "benches" in result:
+        return lookup(result["benches"], dotted)
+    return lookup(result, dotted.partition(".")[2])
 
 
 def make_baseline(results: list[dict]) -> dict:

@@ -150,7 +150,8 @@ def conditions(name: str, record: dict | None) -> str:
     before, after = (c.get("load_average_before") or [None])[0], (c.get("load_average_after") or [None])[0]
     load = f"load average {before:.2f} before, {after:.2f} after" if before is not None and after is not None \
         else "load not recorded"
-    commit = (c.get("git_commit") or "unknown")[:7] + ("+dirty" if "dirty" in (c.get("git_commit") or "") else "")
+    full = c.get("git_commit") or "unknown"
+    commit = full[:7] + ("+dirty" if full.endswith("+dirty") else "")
     # The bench's own setting where it has one (benches pin their threads while they run).
     threads = next((record[k] for k in ("torch_threads", "threads", "threads_per_rank")
                     if isinstance(record.get(k), int)), (c.get("threads") or {}).get("torch"))
@@ -163,8 +164,7 @@ def render_table(name: str, records: dict[str, dict]) -> str:
     head = "| figure | " + " | ".join(f"`{c}`" for c in columns) + " | target |"
     lines = [head, "|---|" + "---|" * len(columns) + "---|"]
     for label, key, target in rows:
-        judged = next((lookup(records.get(c), key) for c in reversed(columns)
-                       if lookup(records.get(c), key) is not None), None)
+        judged = next((v for c in reversed(columns) if (v := lookup(records.get(c), key)) is not None), None)
         cells = " | ".join(cell(records.get(c), key) for c in columns)
         lines.append(f"| {label} | {cells} | {meets(judged, target)} |")
     lines.append("")

@@ -402,7 +402,8 @@ class GenerativeRecommender(nn.Module):
     def item_embeddings(self, item_ids: torch.Tensor, block: int = 65536) -> torch.Tensor:
         """Item rows as retrieval scores them (`retrieval_vectors`), in blocks: [N, D]."""
         sim = self.cfg.similarity
-        return torch.cat([retrieval_vectors(self.item_rows(item_ids[i : i + block]), sim) for i in range(0, len(item_ids), block)])
+        return torch.cat([retrieval_vectors(self.item_rows(item_ids[i : i + block]), sim)
+                          for i in range(0, len(item_ids), block)])
 
     @torch.no_grad()
     def rank_probabilities(self, batch: Batch) -> torch.Tensor:

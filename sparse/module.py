@@ -107,7 +107,7 @@ class _GroupExchange:
         table_L = torch.repeat_interleave(torch.arange(len(dims)), torch.tensor(self.sizes), output_size=ids_L.numel())
         self.ex = _Exchange(ids_L, group)
         recv = self.ex.to_owner(torch.stack([ids_L, torch.cat(cnt_per_table), table_L], dim=1))
-        self.received = recv
+        self.num_received = recv.shape[0]
         self.rows_R: torch.Tensor | None = None
         # Per table on this (owner) rank: positions in the received list, and their unique ids.
         self.owner: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -121,7 +121,7 @@ class _GroupExchange:
         """Table t's rows for its owner-side unique ids (in `owner[t]`'s order)."""
         sel_R, _, inv_R, _ = self.owner[t]
         if self.rows_R is None:
-            self.rows_R = rows_UD.new_zeros(self.received.shape[0], self.width)
+            self.rows_R = rows_UD.new_zeros(self.num_received, self.width)
         self.rows_R[sel_R.to(rows_UD.device), : self.dims[t]] = rows_UD[inv_R.to(rows_UD.device)]
 
     def rows_back(self) -> list[torch.Tensor]:
@@ -186,21 +186,19 @@ class _EvalCall:
         return values_LD.index_select(0, self.inverse_N)
 
 
-class _TableCall:
+class _TableCall(_EvalCall):
     """One table's training lookup on one rank through torch.unique and the store (the
     path without the fused native lookup): what its backward needs."""
 
     def __init__(self, store, inverse_N, ids_U, admitted_U, now, locations) -> None:
-        self.store, self.inverse_N, self.ids_U, self.admitted_U = store, inverse_N, ids_U, admitted_U
+        super().__init__(inverse_N)
+        self.store, self.ids_U, self.admitted_U = store, ids_U, admitted_U
         self.now, self.locations = now, locations
 
     def apply_grad(self, grad_ND: torch.Tensor) -> None:
         grad_ND = grad_ND.float()  # rows and optimizer state are fp32 whatever autocast did
         grad_UD = grad_ND.new_zeros(self.ids_U.numel(), grad_ND.shape[1]).index_add_(0, self.inverse_N, grad_ND)
         _apply_rows_grad(self.store, self.ids_U, grad_UD, self.admitted_U, self.locations, self.now)
-
-    def output(self, values_LD: torch.Tensor) -> torch.Tensor:
-        return values_LD.index_select(0, self.inverse_N)
 
 
 class _LocalCall:

@@ -56,7 +56,8 @@ SERVE_STAGES = ("genrec.serve.history", "genrec.serve.encode", "genrec.serve.ret
 PROFILE_FORMAT = "genrec.profile/1"
 
 
-def _start(out: str | Path, steps: int, overwrite: bool) -> Path:
+def _start(out: str | Path, steps: int, overwrite: bool) -> tuple[Path, dict]:
+    """The claimed output folder, and the record of the conditions the profile starts under."""
     if steps < 1:
         raise ValueError(f"genrec profile: --steps must be >= 1, got {steps}")
     out = Path(out)
@@ -64,7 +65,7 @@ def _start(out: str | Path, steps: int, overwrite: bool) -> Path:
     if overwrite and out.exists():
         shutil.rmtree(out)  # claim_output_dir checked that it is an earlier profile's output
     out.mkdir(parents=True, exist_ok=True)
-    return out
+    return out, start_record()
 
 
 def _profiled(out: Path, steps: int, step: Callable[[int], None]) -> tuple[profile, list[float]]:
@@ -113,7 +114,7 @@ def profile_training(cfg: JobConfig, steps: int, out: str | Path, overwrite: boo
     the summary written to OUT/summary.json."""
     from genrec.models.train.bench import _tower_flops, matmul_peak_gflops
 
-    out, record = _start(out, steps, overwrite), start_record()
+    out, record = _start(out, steps, overwrite)
     cfg, trainer, batches = _trainer(cfg, steps, out)
     flops, loader_state = 0.0, None
 
@@ -144,7 +145,7 @@ def profile_sparse(cfg: JobConfig, steps: int, out: str | Path, overwrite: bool 
     (genrec.sparse_backward); no tower, no loss, no dense optimizer."""
     from genrec.models.build import unwrap
 
-    out, record = _start(out, steps, overwrite), start_record()
+    out, record = _start(out, steps, overwrite)
     _, trainer, batches = _trainer(cfg, steps, out)
     embeddings = unwrap(trainer.model).embeddings
     lookups = 0
@@ -177,7 +178,7 @@ def profile_serving(artifact: str | Path, data: str | Path, steps: int, out: str
     from genrec.models.serving.ranker import load_artifact
     from genrec.models.serving.requests import split_requests
 
-    out, record = _start(out, steps, overwrite), start_record()
+    out, record = _start(out, steps, overwrite)
     ranker = load_artifact(artifact)
     requests = split_requests(data, ranker.features, steps + 1)
     if not requests:
