@@ -319,6 +319,8 @@ class TableStore:
         """csrc/store.c's fused lookup: (U, committed, inv, uniq, cnt, loc); with `out`,
         also the rows [N, D] when it committed (see fwd_lookup)."""
         n = ids_N.numel()
+        if n >= 1 << 31:  # the dedup table numbers unique ids in int32 (csrc/store.c)
+            raise ValueError(f"genrec.sparse: one lookup takes fewer than 2^31 ids, got {n}; split the batch")
         inv_N, uniq_N, cnt_N, loc_N = (torch.empty(n, dtype=torch.int64) for _ in range(4))
         out_ND = torch.empty(n, self.dim) if out else None
         top = self._top_tier()
