@@ -17,7 +17,10 @@ workers' batches round-robin (worker 0's batch 0, worker 1's batch 0, ..., worke
 batch 1, ...), whatever order DataLoader delivers them in. So the batch sequence is a
 pure function of (seed, epoch, world_size, rank, num_workers, batch_size), and a position
 (epoch, batches yielded) restores it exactly: on resume each worker skips the rows of
-the batches it had already produced, mostly by skipping whole units unread.
+the batches it had already produced, mostly by skipping whole units unread. A position
+saved under another world size (or worker count) restores the rest of that epoch instead:
+the rows the saved plan had not read, as pieces dealt round-robin to the new workers
+(`SequenceDataset.remaining_pieces`), so a resized run reads no row twice in the epoch.
 
 With `equal_batches_per_rank` every rank yields the same number of batches per epoch
 (the smallest rank's, computed from the file footers on every rank without
@@ -26,6 +29,7 @@ communication), so collective training steps never wait for a rank that has run 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +84,12 @@ class LoaderConfig:
     """Cut every rank to the smallest rank's batch count per epoch."""
     prefetch_factor: int = 2
     """Batches each worker prepares ahead (num_workers > 0)."""
+
+
+PIECE_COLUMNS = ("file_idx", "row_group", "start", "stop", "perm_key", "skip")
+"""A piece of an epoch's plan: rows [start, stop) of a row group, permuted with (seed,
+epoch, perm_key) when shuffling (perm_key: the unit's index in the plan that dealt it
+first), of which the first `skip` were read before a resume on another world size."""
 
 
 @dataclass
@@ -148,6 +158,10 @@ class SequenceDataset(IterableDataset):
         self.epoch = 0
         self.skip_batches = [0] * self.num_workers
         self.limit_batches = [0] * self.num_workers
+        self.resumed: tuple[int, np.ndarray] | None = None
+        """(epoch, pieces [P, 6]) of an epoch resumed from another world size: what the
+        saved plan had not read, dealt anew (see `remaining_pieces`)."""
+        self._pieces: tuple[int, np.ndarray] | None = None  # the last epoch_pieces
         self._files: dict[int, pq.ParquetFile] = {}
 
     def __getstate__(self):
@@ -181,27 +195,40 @@ class SequenceDataset(IterableDataset):
             return units
         return row_groups
 
-    # -- the plan: which units each worker reads and how many batches each yields --------
+    # -- the plan: which rows each worker reads and how many batches each yields ---------
 
-    def worker_units(self, epoch: int, rank: int, worker: int) -> list[int]:
-        order = np.arange(len(self.units))
-        if self.cfg.shuffle:
-            order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.units))
+    def epoch_pieces(self, epoch: int) -> np.ndarray:
+        """The epoch's pieces in dealing order, one row each (PIECE_COLUMNS): the units
+        permuted with (seed, epoch), or, for a resumed epoch, what its saved plan had left."""
+        if self.resumed is not None and self.resumed[0] == epoch:
+            return self.resumed[1]
+        if self._pieces is None or self._pieces[0] != epoch:
+            order = np.arange(len(self.units))
+            if self.cfg.shuffle:
+                order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.units))
+            u = self.units
+            pieces = [(u[i].file_idx, u[i].row_group, u[i].start, u[i].stop, i, 0) for i in order.tolist()]
+            self._pieces = (epoch, np.array(pieces, dtype=np.int64).reshape(-1, len(PIECE_COLUMNS)))
+        return self._pieces[1]
+
+    def worker_pieces(self, epoch: int, rank: int, worker: int) -> np.ndarray:
+        """The pieces global worker `rank * num_workers + worker` reads, round-robin."""
         g = rank * self.num_workers + worker
-        return order[g :: self.world_size * self.num_workers].tolist()
+        return self.epoch_pieces(epoch)[g :: self.world_size * self.num_workers]
 
     def worker_num_batches(self, epoch: int, rank: int, worker: int) -> int:
-        rows = sum(self.units[u].num_rows for u in self.worker_units(epoch, rank, worker))
+        p = self.worker_pieces(epoch, rank, worker)
+        rows = int((p[:, 3] - p[:, 2] - p[:, 5]).sum())
         bs = self.cfg.batch_size
         return rows // bs if self.cfg.drop_last else -(-rows // bs)
 
-    def schedule(self, epoch: int) -> np.ndarray:
-        """Worker id of each batch this rank yields in `epoch`, in yield order."""
+    def schedule(self, epoch: int, rank: int | None = None) -> np.ndarray:
+        """Worker id of each batch `rank` (default: this rank) yields in `epoch`, in yield order."""
 
         def rank_counts(r):
             return [self.worker_num_batches(epoch, r, w) for w in range(self.num_workers)]
 
-        counts = rank_counts(self.rank)
+        counts = rank_counts(self.rank if rank is None else rank)
         worker_W = np.repeat(np.arange(self.num_workers), counts)
         index_W = np.concatenate([np.arange(c) for c in counts]) if counts else np.empty(0, int)
         sched = worker_W[np.lexsort((worker_W, index_W))]
@@ -209,10 +236,31 @@ class SequenceDataset(IterableDataset):
             sched = sched[: min(sum(rank_counts(r)) for r in range(self.world_size))]
         return sched
 
+    def remaining_pieces(self, epoch: int, batches_done: int) -> np.ndarray:
+        """The pieces of `epoch` that this plan has not read once every rank has yielded
+        `batches_done` batches (what a checkpoint of a synchronous run records): each
+        worker's stream is its pieces in order, so it read the first (batches it yielded x
+        batch_size) rows of it; a piece read in part keeps its permutation and skips what
+        was read. In order of global worker, then piece."""
+        bs, left_pieces = self.cfg.batch_size, []
+        for rank in range(self.world_size):
+            done = self.schedule(epoch, rank)[:batches_done]
+            for w in range(self.num_workers):
+                read = int((done == w).sum()) * bs
+                for piece in self.worker_pieces(epoch, rank, w):
+                    rows = int(piece[3] - piece[2] - piece[5])
+                    if read >= rows:
+                        read -= rows
+                        continue
+                    piece = piece.copy()
+                    piece[5] += read
+                    read = 0
+                    left_pieces.append(piece)
+        return np.stack(left_pieces) if left_pieces else np.zeros((0, len(PIECE_COLUMNS)), dtype=np.int64)
+
     # -- reading ------------------------------------------------------------------------
 
-    def _read_unit(self, unit_id: int) -> _Rows:
-        u = self.units[unit_id]
+    def _read_unit(self, u: _Unit) -> _Rows:
         path = self.paths[u.file_idx]
         if u.file_idx not in self._files:
             self._files[u.file_idx] = pq.ParquetFile(path)
@@ -234,21 +282,22 @@ class SequenceDataset(IterableDataset):
             values[col] = arr.values.to_numpy()[off[0] : off[-1]]
         return _Rows(table.column(USER_COLUMN).to_numpy(), offsets, values)
 
-    def _row_batches(self, unit_ids: list[int], skip_rows: int, epoch: int) -> Iterator[tuple[_Rows, np.ndarray]]:
-        """The worker's row stream (units in order, rows permuted per unit) cut into batches
-        of `batch_size` (the last one short), after dropping the first `skip_rows` rows."""
+    def _row_batches(self, pieces: np.ndarray, skip_rows: int, epoch: int) -> Iterator[tuple[_Rows, np.ndarray]]:
+        """The worker's row stream (pieces in order, each unit's rows permuted with (seed,
+        epoch, its unit), less the piece's skipped rows) cut into batches of `batch_size`
+        (the last one short), after dropping the first `skip_rows` rows."""
         bs = self.cfg.batch_size
         carry: _Rows | None = None
-        for uid in unit_ids:
-            n = self.units[uid].num_rows
-            if skip_rows >= n:
-                skip_rows -= n
+        for file_idx, row_group, start, stop, perm_key, skip in pieces.tolist():
+            n = stop - start
+            if skip_rows >= n - skip:
+                skip_rows -= n - skip
                 continue
-            rows = self._read_unit(uid)
+            rows = self._read_unit(_Unit(file_idx, row_group, start, stop))
             perm = np.arange(n)
             if self.cfg.shuffle:
-                perm = np.random.default_rng([self.cfg.seed, epoch, uid]).permutation(n)
-            perm, skip_rows = perm[skip_rows:], 0
+                perm = np.random.default_rng([self.cfg.seed, epoch, perm_key]).permutation(n)
+            perm, skip_rows = perm[skip + skip_rows:], 0
             pos = 0
             if carry is not None:
                 pos = min(bs - carry.num_rows, len(perm))
@@ -271,8 +320,8 @@ class SequenceDataset(IterableDataset):
         skip, limit = self.skip_batches[worker], self.limit_batches[worker]
         if skip >= limit:
             return
-        units = self.worker_units(self.epoch, self.rank, worker)
-        batches = self._row_batches(units, skip * self.cfg.batch_size, self.epoch)
+        pieces = self.worker_pieces(self.epoch, self.rank, worker)
+        batches = self._row_batches(pieces, skip * self.cfg.batch_size, self.epoch)
         g = self.rank * self.num_workers + worker
         for j, (rows, idx) in zip(range(skip, limit), batches):
             rng = np.random.default_rng([self.cfg.seed, self.epoch, g, j])
@@ -366,19 +415,41 @@ class SequenceLoader:
 
     def state_dict(self) -> dict:
         ds = self.dataset
-        return {"epoch": self.epoch, "batches_done": self.batches_done, "seed": self.cfg.seed,
-                "batch_size": self.cfg.batch_size, "rank": ds.rank, "world_size": ds.world_size,
-                "num_workers": self.cfg.num_workers}
+        state = {"epoch": self.epoch, "batches_done": self.batches_done, "seed": self.cfg.seed,
+                 "batch_size": self.cfg.batch_size, "rank": ds.rank, "world_size": ds.world_size,
+                 "num_workers": self.cfg.num_workers}
+        if ds.resumed is not None and ds.resumed[0] == self.epoch:
+            state["pieces"] = torch.from_numpy(ds.resumed[1].copy())
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a position. Saved by a loader of another world size or worker count (a
+        checkpoint resumed on M ranks after N; any rank's state will do, they hold the same
+        position), the rest of that epoch is what the saved plan had not read, dealt anew
+        to this plan's workers: within the epoch no row is read twice or dropped (beyond
+        what `drop_last` and `equal_batches_per_rank` drop in any epoch). Later epochs
+        follow this plan."""
         ds = self.dataset
-        mine = {"seed": self.cfg.seed, "batch_size": self.cfg.batch_size, "rank": ds.rank,
-                "world_size": ds.world_size, "num_workers": self.cfg.num_workers}
-        for key, value in mine.items():
-            if state.get(key) != value:
-                raise ValueError(f"loader state: {key} = {state.get(key)!r} but this loader has {value!r}; "
-                                 "the saved position only means something for the same setting")
-        self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
+        for key in ("seed", "batch_size"):
+            if state.get(key) != getattr(self.cfg, key):
+                raise ValueError(f"loader state: {key} = {state.get(key)!r} but this loader has "
+                                 f"{getattr(self.cfg, key)!r}; the saved position only means something "
+                                 "for the same setting")
+        epoch, done = int(state["epoch"]), int(state["batches_done"])
+        saved_plan = None if state.get("pieces") is None else (epoch, np.asarray(state["pieces"], dtype=np.int64))
+        saved_workers = max(int(state.get("num_workers", 0)), 1)
+        if state.get("world_size") == ds.world_size and saved_workers == ds.num_workers:
+            if state.get("rank") != ds.rank:
+                raise ValueError(f"loader state: rank = {state.get('rank')!r} but this loader has {ds.rank}; "
+                                 "the saved position only means something for the same rank")
+            ds.resumed, self.epoch, self.batches_done = saved_plan, epoch, done
+            return
+        saved = SequenceDataset(ds.split_dir, ds.features, dataclasses.replace(self.cfg, num_workers=saved_workers),
+                                rank=0, world_size=int(state["world_size"]))
+        saved.resumed = saved_plan
+        ds.resumed, self.epoch, self.batches_done = (epoch, saved.remaining_pieces(epoch, done)), epoch, 0
+        if len(ds.schedule(epoch)) == 0:  # nothing of it left for a batch: the next epoch
+            ds.resumed, self.epoch = None, epoch + 1
 
     def __iter__(self) -> Iterator[Batch]:
         ds = self.dataset

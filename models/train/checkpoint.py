@@ -34,8 +34,8 @@ Usage in a training loop:
 `save` and `StopFlag.should_stop` are collective when torch.distributed is initialized:
 every rank must call them at the same step. `load` reads dense.pt and this rank's own
 directory only, and checks the sizes of the shared files (whose owner, e.g. the sparse
-snapshot, reads and verifies them under any world size); the dense part does not reshard
-(the world size must match the one saved).
+snapshot, reads and verifies them under any world size). A checkpoint saved by N ranks
+loads on M: the dense state is replicated and every rank takes rank 0's rank_state.
 """
 
 from __future__ import annotations
@@ -345,22 +345,24 @@ class CheckpointManager:
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Verify and load (dense_state, this rank's rank_state), both on CPU.
 
-        Raises ValueError when the marker is missing, the world size or a fingerprint key
-        differs, or a file of this rank (or dense.pt) is missing or fails its checksum.
-        Files of `extra_dir(path)` are verified too; the caller reads them itself.
+        Saved by another world size (an elastic restart on more or fewer ranks), every rank
+        reads rank 0's rank_state: the ranks of a synchronous run hold the same step, loader
+        position and (one seed everywhere) RNG streams; the dense state is replicated, and
+        the shared files' owners (the sparse snapshot) reshard themselves.
+
+        Raises ValueError when the marker is missing, a fingerprint key differs, or a file
+        it reads (dense.pt, the rank's state) is missing or fails its checksum. Files of
+        `extra_dir(path)` are verified too; the caller reads them itself.
         """
         path = Path(path)
         marker = read_marker(path)
         if marker is None:
             raise ValueError(f"{path} is not a complete checkpoint (no valid {MARKER} marker)")
-        if marker["world_size"] != self.world_size:
-            raise ValueError(
-                f"{path} was saved with world_size {marker['world_size']}, now {self.world_size}; "
-                "resharding a checkpoint is not supported"
-            )
         _check_fingerprint(marker["config_fingerprint"], _plain_json(config_fingerprint), path)
 
-        prefix = self.rank_dir(path).name + "/"
+        saved_world = int(marker["world_size"])
+        rank = self.rank if saved_world == self.world_size else 0
+        prefix = rank_dir_name(rank, saved_world) + "/"
         mine = {k: v for k, v in marker["files"].items() if k == DENSE_FILE or k.startswith(prefix)}
         if DENSE_FILE not in mine or prefix + RANK_STATE_FILE not in mine:
             raise ValueError(f"{path / MARKER} lists no {DENSE_FILE} or {prefix}{RANK_STATE_FILE}")

@@ -382,8 +382,32 @@ class Trainer:
         self.validations_since_best = int(rank_state.get("validations_since_best", 0))
         if self.best is not None and int(self.best["step"]) > self.step:
             self.best = None  # recorded by a later part of the run that this resume replays
+        saved_world = int(rank_state["loader"]["world_size"])
         if self.dist.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
+        if saved_world != self.dist.world_size:
+            self._follow_new_world(saved_world)
+
+    def _follow_new_world(self, saved_world: int) -> None:
+        """After a resume on another world size: the loader deals the rest of the epoch to
+        this world (data/loader.py); with `train.num_epochs` the run still ends after that
+        many epochs, so its last step and the cosine schedule's length are laid anew."""
+        tc, loader = self.cfg.train, self.loader
+        note = (f"resumed a {saved_world}-rank checkpoint on {self.dist.world_size} rank(s): the rest of "
+                f"epoch {loader.epoch} is {len(loader) - loader.batches_done} steps on this world")
+        if tc.num_epochs is not None:
+            left = len(loader) - loader.batches_done
+            left += max(tc.num_epochs - loader.epoch - 1, 0) * steps_per_epoch(self.cfg, self.dist.world_size)
+            tc.max_steps = self.step + (left if loader.epoch < tc.num_epochs else 0)
+            saved = self.scheduler.state_dict()
+            self.scheduler = warmup_cosine(
+                self.optimizer, warmup_steps=min(tc.optim.warmup_steps, max(tc.max_steps, 1)),
+                total_steps=max(tc.max_steps, 1), min_lr_ratio=tc.optim.min_lr_ratio)
+            self.scheduler.load_state_dict(saved)
+            apply_optim_settings(self.optimizer, self.scheduler, tc.optim)
+            note += f"; its {tc.num_epochs} epochs end at step {tc.max_steps}"
+        if self.dist.is_main:
+            print(f"genrec train: {note}", file=sys.stderr, flush=True)
 
 
 def resolve_epochs(cfg: JobConfig, world_size: int) -> JobConfig:
@@ -392,20 +416,26 @@ def resolve_epochs(cfg: JobConfig, world_size: int) -> JobConfig:
     tc = cfg.train
     if tc.num_epochs is None and not tc.eval_every_epochs:
         return cfg
-    rows = int(load_manifest(cfg.data.path)["counts"]["rows"]["train"])
-    per_step = cfg.data.loader.batch_size * world_size
-    steps_per_epoch = rows // per_step if cfg.data.loader.drop_last else -(-rows // per_step)
-    if steps_per_epoch < 1:
-        raise ValueError(f"train.num_epochs: the training split has {rows} rows, less than one batch "
-                         f"of {per_step} (data.loader.batch_size x ranks)")
+    per_epoch = steps_per_epoch(cfg, world_size)
     tc = dataclasses.replace(tc)
     if tc.num_epochs is not None:
         if tc.num_epochs < 1:
             raise ValueError(f"train.num_epochs must be >= 1, got {tc.num_epochs}")
-        tc.max_steps = tc.num_epochs * steps_per_epoch
+        tc.max_steps = tc.num_epochs * per_epoch
     if tc.eval_every_epochs:
-        tc.eval_every = tc.eval_every_epochs * steps_per_epoch
+        tc.eval_every = tc.eval_every_epochs * per_epoch
     return dataclasses.replace(cfg, train=tc)
+
+
+def steps_per_epoch(cfg: JobConfig, world_size: int) -> int:
+    """Training steps of one epoch: the split's rows over the global batch."""
+    rows = int(load_manifest(cfg.data.path)["counts"]["rows"]["train"])
+    per_step = cfg.data.loader.batch_size * world_size
+    steps = rows // per_step if cfg.data.loader.drop_last else -(-rows // per_step)
+    if steps < 1:
+        raise ValueError(f"train.num_epochs: the training split has {rows} rows, less than one batch "
+                         f"of {per_step} (data.loader.batch_size x ranks)")
+    return steps
 
 
 def mean_over_ranks(values: dict[str, float], world_size: int) -> dict[str, float]:

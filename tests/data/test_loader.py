@@ -155,6 +155,53 @@ def test_few_row_groups_are_sliced_across_workers(tmp_path):
     assert head + [batch_signature(b) for b in resumed] == full
 
 
+def _draw(loaders, steps: int):
+    """Every rank draws `steps` batches, as synchronous training does: (users, rank 0's state)."""
+    iterators = [iter(loader) for loader in loaders]
+    users = [u for it in iterators for _ in range(steps) for u in next(it).user_ids_B.tolist()]
+    return users, loaders[0].state_dict()
+
+
+@pytest.mark.parametrize("plans", [
+    ((1, 0), (2, 0)), ((2, 0), (1, 0)), ((2, 0), (4, 0)), ((4, 0), (1, 0)), ((1, 0), (4, 0)),
+    ((4, 0), (2, 0)), ((2, 0), (1, 0), (4, 0)), ((2, 2), (1, 0)),
+])
+@pytest.mark.parametrize("equal", [False, True])
+def test_resume_on_another_world_size_reads_no_row_twice(ad_prepared, plans, equal):
+    """A position saved by N ranks (or another worker count) and restored on M: the rest
+    of the epoch is exactly the rows the saved plan had not read (all of them without
+    equal_batches_per_rank; none twice with it), also through a chain N -> M -> K."""
+    train = ad_prepared / "train"
+    cfg = LoaderConfig(batch_size=4, max_seq_len=10, seed=2, equal_batches_per_rank=equal)
+    users, state = [], None
+    for i, (world, workers) in enumerate(plans):
+        loaders = [make_loader(train, AD_FEATURES, replace(cfg, num_workers=workers), rank=r, world_size=world)
+                   for r in range(world)]
+        for loader in loaders if state is not None else []:
+            loader.load_state_dict(state)
+        assert all(loader.epoch == 0 for loader in loaders)
+        if i + 1 < len(plans):
+            drawn, state = _draw(loaders, 3)
+            users += drawn
+        else:
+            lengths = {len(loader) for loader in loaders}
+            users += [u for loader in loaders for b in loader for u in b.user_ids_B.tolist()]
+            assert all(loader.epoch == 1 for loader in loaders)
+            assert not equal or len(lengths) == 1  # collective steps: every rank the same count
+    assert len(users) == len(set(users)), "a row was read twice in one epoch"
+    everyone = set(split_rows(train))
+    assert set(users) <= everyone
+    if not equal:
+        assert set(users) == everyone
+    else:  # the cut drops at most a few batches per rank of each plan
+        assert len(users) >= 0.8 * len(everyone)
+    # The next epoch is this plan's own: the same batches as a loader that never resized.
+    world, workers = plans[-1]
+    fresh = make_loader(train, AD_FEATURES, replace(cfg, num_workers=workers), rank=0, world_size=world)
+    fresh.set_epoch(1)
+    assert [batch_signature(b) for b in loaders[0]] == [batch_signature(b) for b in fresh]
+
+
 def test_resume_state_must_match_setting(ad_prepared):
     loader = make_loader(ad_prepared / "train", AD_FEATURES, LoaderConfig(batch_size=8))
     state = loader.state_dict()

@@ -1,0 +1,113 @@
+"""World-size changes and launchers: a checkpoint of N ranks resumes on M (1 <-> 2 <-> 4
+gloo ranks) and still ends its epochs where the rows run out; two `torchrun` launchers on
+loopback (2 nodes x 1 process, c10d rendezvous) train exactly like 1 node x 2 processes."""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from genrec.models.config import JobConfig
+from genrec.models.config_loader import from_dict, to_dict
+from train_helpers import tiny_config
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(rank: int, world_size: int, port: int, cfg_json: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from genrec.models.train.trainer import run_training
+
+    run_training(from_dict(JobConfig, json.loads(cfg_json)))
+
+
+def _train(world_size: int, cfg: JobConfig) -> None:
+    mp.start_processes(_run, args=(world_size, _free_port(), json.dumps(to_dict(cfg))), nprocs=world_size,
+                       join=True, start_method="spawn")
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [rec["step"] for rec in map(json.loads, lines) if "loss" in rec]
+
+
+def _rank_dirs(checkpoint: Path) -> list[str]:
+    return sorted(p.name for p in checkpoint.iterdir() if p.name.startswith("rank-"))
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank_to_the_end_of_its_epoch(prepared, tmp_path):
+    run = tmp_path / "run"
+    _train(2, tiny_config(prepared, run, max_steps=3, checkpoint_every=3))
+    assert _rank_dirs(run / "checkpoints" / "step-00000003") == ["rank-00000-of-00002", "rank-00001-of-00002"]
+    # One epoch on 1 rank: the 2 ranks read 2 x 3 batches of 8 rows; the rest of the epoch
+    # is every row they had not read, in batches of 8 on the one rank that is left.
+    _train(1, tiny_config(prepared, run, num_epochs=1, checkpoint_every=100))
+    rows = json.loads((prepared / "manifest.json").read_text())["counts"]["rows"]["train"]
+    last = 3 + math.ceil((rows - 2 * 3 * 8) / 8)
+    assert _logged_steps(run) == list(range(1, last + 1))
+    assert _rank_dirs(run / "checkpoints" / f"step-{last:08d}") == ["rank-00000-of-00001"]
+    assert json.loads((run / "config.json").read_text())["train"]["max_steps"] == last
+
+
+def test_one_rank_checkpoint_resumes_on_four_ranks(prepared, tmp_path):
+    run = tmp_path / "run"
+    _train(1, tiny_config(prepared, run, max_steps=2, checkpoint_every=2))
+    _train(4, tiny_config(prepared, run, max_steps=4, checkpoint_every=2))
+    assert _logged_steps(run) == [1, 2, 3, 4]
+    assert _rank_dirs(run / "checkpoints" / "step-00000004") == [f"rank-0000{r}-of-00004" for r in range(4)]
+    # And back to 2 ranks from the 4-rank checkpoint.
+    _train(2, tiny_config(prepared, run, max_steps=5, checkpoint_every=5))
+    assert _logged_steps(run) == [1, 2, 3, 4, 5]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [rec["loss"] for rec in map(json.loads, lines) if "loss" in rec]
+
+
+_LAUNCHED = """
+import json, sys
+from genrec.models.config import JobConfig
+from genrec.models.config_loader import from_dict
+from genrec.models.train.trainer import run_training
+run_training(from_dict(JobConfig, json.loads(open(sys.argv[1]).read())))
+"""
+
+
+def _torchrun(script: Path, cfg: JobConfig, cfg_path: Path, *launcher: str) -> subprocess.Popen:
+    cfg_path.write_text(json.dumps(to_dict(cfg)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, str(script), str(cfg_path)]
+    return subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_launchers_on_loopback_train_like_one_node(prepared, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_LAUNCHED)
+    single = _torchrun(script, tiny_config(prepared, tmp_path / "one", max_steps=4, num_threads=1),
+                       tmp_path / "one.json", "--nnodes", "1", "--nproc-per-node", "2",
+                       "--master-port", str(_free_port()))
+    out = single.communicate(timeout=300)[0]
+    assert single.returncode == 0, out
+    endpoint = f"127.0.0.1:{_free_port()}"
+    cfg = tiny_config(prepared, tmp_path / "two", max_steps=4, num_threads=1)
+    nodes = [_torchrun(script, cfg, tmp_path / "two.json", "--nnodes", "2", "--nproc-per-node", "1",
+                       "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "genrec-test")
+             for _ in range(2)]
+    outs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outs
+    assert len(_losses(tmp_path / "one")) == 4
+    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-6, abs=1e-7)
