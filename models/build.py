@@ -2,12 +2,17 @@
 
 `build_model` makes the sparse store (sharded across ranks by id hash inside the store),
 the tower (with `dense.parallelize`'s checkpointing), the recommender around them, and
-wraps the dense parameters in DDP when there are several ranks. The model file itself
-knows nothing of this.
+makes the dense parameters data-parallel when there are several ranks:
+`train.dense_parallel` "ddp" (replicas, gradients all-reduced) or "fsdp2" (`fully_shard`:
+each tower layer and the rest of the dense model sharded over the ranks, gathered per
+forward, gradients reduce-scattered). The model file itself knows nothing of this.
+Whatever the parallelism, `dense_state_dict` / `optimizer_state_dict` give the full state dicts in
+one form, so a checkpoint moves between DDP and FSDP2 and between world sizes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -16,6 +21,10 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from torchrec.sparse.jagged_tensor import JaggedTensor
@@ -46,7 +55,16 @@ def build_model(cfg: JobConfig, dist_info: DistInfo) -> tuple[nn.Module, TieredE
         features=cfg.data.features, cfg=cfg.model, embeddings=embeddings,
         feature_dims=feature_dims, tower=tower, dim=cfg.dense.embedding_dim,
     )
-    if dist_info.world_size > 1:
+    if dist_info.world_size > 1 and cfg.train.dense_parallel == "fsdp2":
+        if cfg.train.precision == "fp16":
+            raise ValueError("train.dense_parallel = 'fsdp2' runs in bf16 or fp32: train.precision 'fp16' "
+                             "needs DDP (its gradient scaler does not see sharded gradients)")
+        # The store holds no parameters (its rows live in its tiers), so every parameter
+        # here is dense. One unit per layer keeps one layer's weights whole at a time.
+        for layer in model.tower.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif dist_info.world_size > 1:
         # The store's rows are sharded, not replicated: DDP must neither broadcast nor
         # all-reduce anything under `embeddings.`.
         ignore = [n for n, _ in model.named_parameters() if n.startswith("embeddings.")]
@@ -118,6 +136,72 @@ class _DDPRecommender(nn.Module):
 
 def unwrap(model: nn.Module) -> GenerativeRecommender:
     return model.inner if isinstance(model, _DDPRecommender) else model
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module):
+    """Whole dense weights inside the block, for calls other than `forward` (validation
+    scores through the model's methods): FSDP2 gathers its shards only around forward
+    (collective: every rank enters). A no-op for DDP and one rank."""
+    units = [m for m in unwrap(model).modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    try:
+        yield model
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
+def _sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The dense weights, whole and on CPU (FSDP2: collective, and only rank 0 gets them)."""
+    state = get_model_state_dict(model, options=_FULL) if _sharded(model) else unwrap(model).state_dict()
+    return {k: v for k, v in state.items() if not k.startswith("embeddings.")}
+
+
+def load_dense_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load `dense_state_dict`'s dict (every rank passes the whole of it)."""
+    if _sharded(model):
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        return
+    missing, unexpected = unwrap(model).load_state_dict(state, strict=False)
+    assert not unexpected and all(k.startswith("embeddings.") for k in missing), (missing, unexpected)
+
+
+def _optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each parameter the optimizer holds, in its state dict's numbering."""
+    names = {id(p): n for n, p in unwrap(model).named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The dense optimizer's state dict in torch's own numbered form, whole and on CPU,
+    as DDP saves it (FSDP2: collective, and only rank 0 gets it)."""
+    if not _sharded(model):
+        return optimizer.state_dict()
+    full = get_optimizer_state_dict(model, optimizer, options=_FULL)
+    if not full:
+        return {}
+    number = {name: i for i, name in enumerate(_optimizer_names(model, optimizer))}
+    return {"state": {number[n]: s for n, s in full["state"].items()},
+            "param_groups": [{**g, "params": [number[n] for n in g["params"]]} for g in full["param_groups"]]}
+
+
+def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    if not _sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    names = _optimizer_names(model, optimizer)
+    named = {"state": {names[i]: s for i, s in state["state"].items()},
+             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
 
 
 def dense_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

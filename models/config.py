@@ -111,8 +111,12 @@ class TrainConfig:
     """Stop after this many validations without a new best (0: never stop early)."""
     tensorboard: bool = True
     """Also write TensorBoard event files."""
-    dense_parallel: Literal["ddp"] = "ddp"
-    """How the dense tower is data-parallel under torchrun."""
+    dense_parallel: Literal["ddp", "fsdp2"] = "ddp"
+    """How the dense model is data-parallel under torchrun: "ddp" replicates it and
+    all-reduces gradients; "fsdp2" shards it over the ranks (`fully_shard`: weights
+    gathered per layer around forward and backward, gradients reduce-scattered), for dense
+    models too large to replicate. Both train the same numbers; DDP is faster when the
+    model fits."""
     pipeline: bool = True
     """Load the next batch and prefetch its rows while the current batch computes."""
     num_threads: int = 0

@@ -27,12 +27,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from genrec.data.files import atomic_write_json, atomic_write_text
 from genrec.data.loader import make_loader
 from genrec.data.prepare import load_manifest
-from genrec.models.build import build_model, eval_loader, config_fingerprint, dense_named_parameters, load_item_corpus
+from genrec.models.build import (
+    build_model, config_fingerprint, dense_named_parameters, dense_state_dict, eval_loader, gathered, load_dense_state_dict,
+    load_item_corpus, load_optimizer_state_dict, optimizer_state_dict,
+)
 from genrec.models.runs import (
     CHECKPOINTS, CONFIG_FILE, RUN_FORMAT, RUN_MANIFEST, CorruptCheckpoint, complete_steps, read_best,
     sparse_snapshot_dir, step_dir_name, write_best,
@@ -207,8 +211,8 @@ class Trainer:
             clip = self.cfg.train.optim.grad_clip_norm
             if clip is not None:
                 self.scaler.unscale_(self.optimizer)
-                parts["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
-                    [p for _, p in dense_named_parameters(self.model)], clip))
+                norm = torch.nn.utils.clip_grad_norm_([p for _, p in dense_named_parameters(self.model)], clip)
+                parts["grad_norm"] = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.scheduler.step()
@@ -313,7 +317,7 @@ class Trainer:
         max_batches = (-(-max_users // (self.cfg.data.loader.batch_size * self.dist.world_size))
                        if max_users else None)
         self.model.eval()
-        with self._autocast():
+        with self._autocast(), gathered(self.model):
             result = evaluate_retrieval(self.model, itertools.islice(loader, max_batches), ks=VALIDATION_KS,
                                         window=self.cfg.data.loader.max_seq_len)
         self.model.train()
@@ -323,8 +327,8 @@ class Trainer:
 
     def save(self, loader_state: dict) -> None:
         dense_state = {
-            "model": {k: v for k, v in self.model.state_dict().items() if not k.startswith("embeddings.")},
-            "optimizer": self.optimizer.state_dict(),
+            "model": dense_state_dict(self.model),
+            "optimizer": optimizer_state_dict(self.model, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
         }
@@ -365,9 +369,8 @@ class Trainer:
             raise CorruptCheckpoint(f"no intact checkpoint in {self.checkpoints.root}: every one failed to verify")
 
     def _restore(self, path: Path, dense_state: dict, rank_state: dict) -> None:
-        missing, unexpected = self.model.load_state_dict(dense_state["model"], strict=False)
-        assert not unexpected and all(k.startswith("embeddings.") for k in missing), (missing, unexpected)
-        self.optimizer.load_state_dict(dense_state["optimizer"])
+        load_dense_state_dict(self.model, dense_state["model"])
+        load_optimizer_state_dict(self.model, self.optimizer, dense_state["optimizer"])
         self.scheduler.load_state_dict(dense_state["scheduler"])
         apply_optim_settings(self.optimizer, self.scheduler, self.cfg.train.optim)  # the config's, not the saved
         self.scaler.load_state_dict(dense_state["scaler"])

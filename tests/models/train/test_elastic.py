@@ -1,6 +1,7 @@
-"""World-size changes and launchers: a checkpoint of N ranks resumes on M (1 <-> 2 <-> 4
-gloo ranks) and still ends its epochs where the rows run out; two `torchrun` launchers on
-loopback (2 nodes x 1 process, c10d rendezvous) train exactly like 1 node x 2 processes."""
+"""Parallel layouts: a checkpoint of N ranks resumes on M (1 <-> 2 <-> 4 gloo ranks) and
+still ends its epochs where the rows run out; FSDP2 trains like DDP, and their checkpoints
+resume under each other; two `torchrun` launchers on loopback (2 nodes x 1 process, c10d
+rendezvous) train exactly like 1 node x 2 processes."""
 
 import json
 import math
@@ -76,6 +77,33 @@ def test_one_rank_checkpoint_resumes_on_four_ranks(prepared, tmp_path):
 def _losses(run_dir: Path) -> list[float]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [rec["loss"] for rec in map(json.loads, lines) if "loss" in rec]
+
+
+def _validations(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {rec["step"]: rec["valid/ndcg@10"] for rec in map(json.loads, lines) if "valid/ndcg@10" in rec}
+
+
+def test_fsdp2_trains_like_ddp_and_their_checkpoints_resume_under_each_other(prepared, tmp_path):
+    def cfg(run, parallel, steps):
+        # A constant learning rate: the legs below stop at 10, 15 and 20, and a schedule
+        # laid over each leg's max_steps would differ from the one laid over 20.
+        return tiny_config(prepared, run, max_steps=steps, checkpoint_every=5, eval_every=10,
+                           dense_parallel=parallel, optim={"warmup_steps": 0, "min_lr_ratio": 1.0})
+
+    ddp = tmp_path / "ddp"
+    _train(2, cfg(ddp, "ddp", 20))
+    # 20 steps as FSDP2 -> DDP -> FSDP2, each resuming the other's checkpoint.
+    mixed = tmp_path / "mixed"
+    for parallel, steps in (("fsdp2", 10), ("ddp", 15), ("fsdp2", 20)):
+        _train(2, cfg(mixed, parallel, steps))
+    assert len(_losses(ddp)) == 20
+    # The golden test's tolerance: the same math, summed in another order.
+    assert _losses(mixed) == pytest.approx(_losses(ddp), rel=1e-4)
+    # Validation scores through the gathered weights (each leg also validates at its end).
+    ddp_valid, mixed_valid = _validations(ddp), _validations(mixed)
+    assert sorted(ddp_valid) == [10, 20] and sorted(mixed_valid) == [10, 15, 20]
+    assert [mixed_valid[10], mixed_valid[20]] == pytest.approx([ddp_valid[10], ddp_valid[20]], rel=1e-4)
 
 
 _LAUNCHED = """
