@@ -39,8 +39,12 @@ from genrec.sparse import TieredEmbeddingCollection
 
 
 def build_store(cfg: JobConfig, dist_info: DistInfo) -> TieredEmbeddingCollection:
+    """The store on the trainer's device unless `sparse.device` names one. Its collectives
+    share the world group, whose backend serves CPU tensors (split counts) over gloo and
+    device tensors (ids, rows, gradients on CUDA) over NCCL (models/train/distributed.py)."""
     process_group = dist.group.WORLD if dist_info.world_size > 1 else None
-    return TieredEmbeddingCollection(cfg.sparse, process_group=process_group)
+    sparse = cfg.sparse if cfg.sparse.device else dataclasses.replace(cfg.sparse, device=str(dist_info.device))
+    return TieredEmbeddingCollection(sparse, process_group=process_group)
 
 
 def build_model(cfg: JobConfig, dist_info: DistInfo) -> tuple[nn.Module, TieredEmbeddingCollection]:

@@ -85,8 +85,10 @@ class SparseConfig:
     process was killed."""
     ssd_slab_rows: int = 1 << 18
     """Rows per memory-mapped slab file of the SSD tier."""
-    device: str = "cpu"
-    """Device of the device tier and of the outputs ("cpu" or "cuda")."""
+    device: str | None = None
+    """Device of the device tier and of the outputs ("cpu", "cuda", "cuda:1"). None: the
+    trainer's device (this rank's GPU under torchrun on CUDA, else the CPU); a store built
+    on its own takes the CPU."""
     kernels: Literal["native", "reference"] = "native"
     """The store's kernels: "native" (csrc/store.c, built by the install command: the
     index, the fused lookup and optimizer step, CLOCK cache victims, the TTL sweep) or

@@ -239,7 +239,7 @@ class TieredEmbeddingCollection(nn.Module):
         self.group = process_group if process_group is not None else (dist.group.WORLD if dist.is_initialized() else None)
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
-        self.device = torch.device(config.device)
+        self.device = torch.device(config.device or "cpu")
         self.feature_to_table: dict[str, str] = {}
         self.tables: dict[str, TableConfig] = {}
         for t in config.tables:

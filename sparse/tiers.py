@@ -38,7 +38,18 @@ SLAB_FILE = re.compile(r"tier(\.g\d+)?\.(rows|ids|meta)\.\d{5}\.slab")
 
 _HUGE_PAGE = 1 << 21
 _MADV_HUGEPAGE = 14
+_MADV_DONTNEED = 4
+_MS_SYNC = 4
 _libc = None
+
+
+def _c_library():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return _libc
 
 
 def _advise_huge_pages(t: torch.Tensor) -> None:
@@ -46,16 +57,12 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
     touched). A tier's slots are read at random, so with 4 KB pages nearly every row costs a
     TLB miss; where THP runs in "madvise" mode (a common default) nothing else turns them
     on. A no-op where madvise or THP is unavailable."""
-    global _libc
     nbytes = t.numel() * t.element_size()
     if t.device.type != "cpu" or nbytes < 2 * _HUGE_PAGE or not os.path.exists("/sys/kernel/mm/transparent_hugepage"):
         return
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
     end = (t.data_ptr() + nbytes) & ~(_HUGE_PAGE - 1)
-    _libc.madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+    _c_library().madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
 
 
 def remove_slab_files(directory: str) -> None:
@@ -130,6 +137,25 @@ class _SlabArray:
 
     def _path(self, i: int) -> str:
         return f"{self.path_prefix}.{i:05d}.slab"
+
+    def drop_page_cache(self) -> None:
+        """Write the file-backed slabs to disk and evict them from the page cache, so the
+        next reads of them come from the disk (the cold-read benchmarks; Linux). Dirty
+        pages are written first (msync); the mapping lets go of its pages (madvise), then
+        the cache drops them (fadvise). A no-op for memory slabs and unlinked files."""
+        if self.path_prefix is None or self.unlink:
+            return
+        libc = _c_library()
+        for i, slab in enumerate(self.slabs):
+            nbytes = slab.numel() * slab.element_size()
+            if libc.msync(slab.data_ptr(), nbytes, _MS_SYNC) or libc.madvise(slab.data_ptr(), nbytes, _MADV_DONTNEED):
+                err = ctypes.get_errno()
+                raise OSError(err, f"genrec.sparse: cannot evict {self._path(i)}: {os.strerror(err)}")
+            fd = os.open(self._path(i), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
     def destroy(self) -> None:
         """Drop every slab and delete its file (a store replaced by a snapshot load)."""
@@ -209,6 +235,11 @@ class Tier:
         if capacity != 0:
             self._grow()
         self.num_used = 0
+
+    def drop_page_cache(self) -> None:
+        """See _SlabArray.drop_page_cache: rows, ids and metadata."""
+        for array in (self.rows, self.ids, self.meta):
+            array.drop_page_cache()
 
     def _grow(self) -> None:
         base = self.rows.num_rows

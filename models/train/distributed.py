@@ -2,7 +2,9 @@
 
 `torchrun` sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; a plain
 `python` or `genrec train` run has none of them and stays a single process with no
-process group. Backend: NCCL when CUDA is present, gloo on CPU.
+process group. Backend: gloo on CPU; with CUDA, one group that sends CUDA tensors over
+NCCL and CPU tensors over gloo ("cpu:gloo,cuda:nccl"): the sparse store's split counts and
+other metadata stay on the host while its rows and gradients live on the device.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def init_distributed() -> DistInfo:
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if restart == 0:
             dist.init_process_group(backend)
