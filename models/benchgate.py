@@ -1,6 +1,7 @@
 """`genrec bench`: run one benchmark or all of them, and gate a result against a baseline.
 
     genrec bench sparse --quick --json OUT      one bench's figures + the conditions they were taken under
+                                                (refused on a busy machine, load > QUIET_LOAD, unless --allow-noisy)
     genrec bench all --quick --json OUT         every bench in ALL, one JSON: {"benches": {name: figures}}
     genrec bench check OUT --baseline FILE      exit 1 on a regression beyond the noise, else 0
     genrec bench gate --baseline FILE --json OUT   `all --quick` + `check`, waiting out load; a failure must repeat
@@ -71,6 +72,11 @@ MAX_LOAD_PER_CPU = 0.75
 """Load average per logical CPU above which a result is inconclusive (1.5 on 2 cores)."""
 BASELINE_FORMAT = "genrec.bench.baseline/1"
 GATE_TRIES = 4
+
+
+QUIET_LOAD = 0.5
+"""The 1-minute load average above which `genrec bench NAME` refuses to measure (figures
+taken beside other work say more about it than about the code)."""
 
 
 def max_load() -> float:
@@ -183,11 +189,17 @@ def _report(verdict: str, lines: list[str]) -> int:
 def command(args) -> int:
     """The `genrec bench` subcommand (see the module docstring)."""
     name = args.name
-    if name in BENCH_MODULES:
-        _write(args.json_out, run_one(name, args.quick))
-        return 0
-    if name == "all":
-        _write(args.json_out, run_all(args.quick))
+    if name in BENCH_MODULES or name == "all":
+        load = os.getloadavg()[0]
+        if load > QUIET_LOAD and not args.allow_noisy:
+            print(f"genrec bench {name}: the machine is busy (1-minute load average {load:.2f} > {QUIET_LOAD}): "
+                  "its figures would measure the other work. Run it on a quiet machine, or pass --allow-noisy "
+                  "(the JSON's conditions record the load)", file=sys.stderr, flush=True)
+            return 2
+        result = run_one(name, args.quick) if name != "all" else run_all(args.quick)
+        if load > QUIET_LOAD:
+            result["taken_noisy"] = True
+        _write(args.json_out, result)
         return 0
     if name == "readme":
         from genrec.models.figures import command as readme

@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_out", help="write the figures here")
     p.add_argument("--quick", action="store_true", help="small sizes, under a minute")
     p.add_argument("--check", action="store_true", help="readme: only check the README against configs/figures/")
+    p.add_argument("--allow-noisy", action="store_true", help="measure even on a busy machine (load > 0.5)")
 
     p = sub.add_parser("profile", help="profile training, the store or serving: Chrome trace, TensorBoard, summary.md")
     p.add_argument("target", choices=["train", "sparse", "serve"])

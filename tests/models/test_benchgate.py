@@ -115,3 +115,20 @@ def test_the_gate_fails_only_when_a_failure_repeats(monkeypatch, tmp_path, basel
     args = argparse.Namespace(name="gate", baseline=str(path), json_out=str(tmp_path / "gate.json"), results=[],
                               quick=True)
     assert benchgate.command(args) == code
+
+
+def test_a_bench_on_a_busy_machine_is_refused_unless_allowed(monkeypatch, tmp_path, capsys):
+    """`genrec bench NAME` measures nothing above QUIET_LOAD; --allow-noisy measures and
+    marks the result."""
+    import argparse
+
+    monkeypatch.setattr(benchgate.os, "getloadavg", lambda: (benchgate.QUIET_LOAD + 1.0, 1.0, 1.0))
+    ran = []
+    monkeypatch.setattr(benchgate, "run_one", lambda name, quick: ran.append(name) or {"figure": 1.0})
+    out = tmp_path / "figures.json"
+    args = argparse.Namespace(name="dense", quick=True, json_out=str(out), allow_noisy=False)
+    assert benchgate.command(args) == 2
+    assert ran == [] and not out.exists()
+    assert "busy" in capsys.readouterr().err
+    assert benchgate.command(argparse.Namespace(**{**vars(args), "allow_noisy": True})) == 0
+    assert ran == ["dense"] and json.loads(out.read_text()) == {"figure": 1.0, "taken_noisy": True}

@@ -111,3 +111,31 @@ def test_a_full_disk_is_an_error_naming_the_directory_and_the_snapshot_survives(
     fresh.load_snapshot(snap)
     torch.testing.assert_close(fresh.eval()(kjt_of({"f": [[0, 1, 2, 3, 4, 5]]}))["f"].values(), before,
                                rtol=0, atol=0)
+
+
+def _read_bytes() -> int:
+    return int(dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())["read_bytes"])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+def test_evicted_ssd_tier_is_read_back_from_the_disk(tmp_path):
+    """drop_page_cache writes the slabs out and evicts them: the next gather reads the
+    disk (the process's read_bytes grow by at least the rows' pages) and gives the rows
+    that were written, including ones changed just before the eviction."""
+    import torch
+
+    from genrec.sparse.tiers import Tier
+
+    tier = Tier("ssd", 65, None, torch.device("cpu"), path_prefix=str(tmp_path / "tier"), slab_rows=1 << 12)
+    slots = tier.alloc(3 << 12)  # three slabs of 4,096 rows (1 MB each)
+    rows = torch.randn(slots.numel(), 65)
+    tier.rows.scatter(slots, rows)
+    tier.drop_page_cache()
+    picked = slots[torch.randperm(slots.numel(), generator=torch.Generator().manual_seed(0))[:512]]
+    tier.rows.scatter(picked[:8], -rows[picked[:8]])  # dirty pages, then evicted
+    rows[picked[:8]] = -rows[picked[:8]]
+    tier.drop_page_cache()
+    before = _read_bytes()
+    torch.testing.assert_close(tier.rows.gather(picked), rows[picked], rtol=0, atol=0)
+    touched_pages = len({int(s) * 65 * 4 // 4096 for s in picked})
+    assert _read_bytes() - before >= touched_pages * 4096, "the gather was served from the page cache"
