@@ -85,6 +85,13 @@ class SparseConfig:
     process was killed."""
     ssd_slab_rows: int = 1 << 18
     """Rows per memory-mapped slab file of the SSD tier."""
+    snapshot_max_deltas: int = 8
+    """Incremental snapshots: a snapshot (a checkpoint's) writes only the rows changed since
+    the previous one, up to this many deltas in a row; then a full one (0: always full).
+    A delta costs a pass over the table's metadata and the changed rows' bytes; a load
+    reads the chain (at most this many deltas more than a full snapshot).
+    Each snapshot folder still holds its whole chain (hard links), so pruning old
+    checkpoints never breaks a kept one (snapshot.py)."""
     device: str | None = None
     """Device of the device tier and of the outputs ("cpu", "cuda", "cuda:1"). None: the
     trainer's device (this rank's GPU under torchrun on CUDA, else the CPU); a store built

@@ -236,6 +236,8 @@ class TieredEmbeddingCollection(nn.Module):
     def __init__(self, config: SparseConfig, process_group=None) -> None:
         super().__init__()
         self.config = config
+        self.last_snapshot: tuple[str, str] | None = None
+        """(folder, version) of the last snapshot saved or loaded: what a delta builds on."""
         self.group = process_group if process_group is not None else (dist.group.WORLD if dist.is_initialized() else None)
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
@@ -413,12 +415,19 @@ class TieredEmbeddingCollection(nn.Module):
             out[name]["misses"] = s.misses
         return out
 
-    def save_snapshot(self, path: str) -> list[str]:
-        """Atomic, checksummed snapshot of every table (collective when distributed);
-        returns the files this rank wrote."""
+    def save_snapshot(self, path: str, *, full: bool = False) -> list[str]:
+        """Atomic, checksummed snapshot of every table (collective when distributed): a
+        delta on the last one where `snapshot_max_deltas` allows (snapshot.py), unless
+        `full`. Returns the files this rank wrote."""
         from .snapshot import save_snapshot
 
-        return save_snapshot(self, path)
+        return save_snapshot(self, path, max_deltas=0 if full else self.config.snapshot_max_deltas)
+
+    def snapshot_moved(self, path: str) -> None:
+        """The last snapshot's folder was renamed to `path` (a checkpoint that was written
+        under a temporary name, then published): the next delta builds on it there."""
+        if self.last_snapshot is not None:
+            self.last_snapshot = (os.path.abspath(path), self.last_snapshot[1])
 
     def load_snapshot(self, path: str) -> None:
         """Load a snapshot saved under any world size (collective when distributed)."""

@@ -11,6 +11,20 @@ Layout of a snapshot directory:
     <dir>/v<version>/<table>.rank<r>.pending_ids.bin    int64 [P]      admission counters: ids
     <dir>/v<version>/<table>.rank<r>.pending_state.bin  int64 [P, 3]   sightings, last seen time, step
 
+Incremental snapshots (SparseConfig.snapshot_max_deltas > 0). A snapshot is a chain of
+links, oldest first: one full link, then deltas. A delta link writes, per shard, only the
+rows looked up since the snapshot it builds on (their ids, rows and metadata: a row
+changes only through a training lookup and the optimizer step after it), the ids removed
+since then (`<table>.rank<r>.removed.bin`, int64 [R]) and the whole admission-counter map.
+The older links' files are hard links into this snapshot's folder (copies where the
+filesystem has no hard links), so each snapshot folder holds its whole chain: deleting an
+older snapshot (a pruned checkpoint) never breaks a later one. The manifest lists the
+older links under "chain" (version, kind, shards per table) and the newest one as usual.
+Loading applies the links in order: the full one, then each delta's removals and rows
+(newer rows replace older ones). After `snapshot_max_deltas` deltas the next snapshot is
+full again (compaction), as is one taken after a load under another world size or when
+the snapshot it would build on is gone.
+
 Atomicity: shard files go to a fresh version folder; every file, the version folder and
 the snapshot folder are fsynced, then the manifest is replaced by rename (the commit)
 and older version folders are deleted only after that. A crash at any moment leaves
@@ -141,14 +155,55 @@ def _dist(module) -> tuple[int, int]:
     return module.rank, module.world_size
 
 
-def save_snapshot(module, path: str) -> list[str]:
+def _links(manifest: dict) -> list[dict]:
+    """The snapshot's links, oldest first: {"version", "kind", "shards": {table: [shard]}}."""
+    newest = {"version": manifest["version"], "kind": manifest.get("kind", "full"),
+              "shards": {name: t["shards"] for name, t in manifest["tables"].items()}}
+    return [*manifest.get("chain", []), newest]
+
+
+def _delta_base(module, world: int, max_deltas: int) -> tuple[str, list[dict]] | None:
+    """(folder, links) of the snapshot a delta can build on, or None for a full snapshot:
+    the last one this module saved or loaded, still there, of this world size, with fewer
+    than `max_deltas` deltas."""
+    last = getattr(module, "last_snapshot", None)
+    if max_deltas <= 0 or last is None:
+        return None
+    base_path, base_version = last
+    try:
+        manifest = read_manifest(base_path)
+    except ValueError:
+        return None
+    links = _links(manifest)
+    if manifest["version"] != base_version or manifest["world_size"] != world or len(links) > max_deltas:
+        return None
+    return base_path, links
+
+
+def _link_file(src: str, dst: str) -> None:
+    """dst names the same bytes as src: a hard link, or a copy where links are refused."""
+    if os.path.exists(dst):
+        return
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or none with hard links (EXDEV, EPERM, ENOTSUP)
+        shutil.copyfile(src, dst + ".tmp")
+        with open(dst + ".tmp", "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(dst + ".tmp", dst)
+
+
+def save_snapshot(module, path: str, *, max_deltas: int = 0) -> list[str]:
     """Write every table's shard of this rank; collective when the module is distributed.
-    Returns the paths of the files this rank wrote (rank 0: the manifest too)."""
+    `max_deltas` > 0: a delta on the last snapshot saved or loaded where one can be (see
+    the module doc). Returns the paths of the files this rank wrote (rank 0: the manifest
+    too), not the older links' files it linked: the manifest's sizes and CRC32s cover those."""
     rank, world = _dist(module)
-    token = [f"{time.time_ns():x}{os.getpid():x}"]
-    if world > 1:
+    base = _delta_base(module, world, max_deltas) if rank == 0 else None
+    token = [f"{time.time_ns():x}{os.getpid():x}", base]
+    if world > 1:  # every rank writes the same kind of link
         dist.broadcast_object_list(token, src=0, group=module.group)
-    version = token[0]
+    version, base = token
     vdir = os.path.join(path, f"v{version}")
     try:
         os.makedirs(vdir, exist_ok=True)
@@ -159,7 +214,8 @@ def save_snapshot(module, path: str) -> list[str]:
         stem = os.path.join(vdir, f"{name}.rank{rank}")
         writers = {k: _Writer(f"{stem}.{k}.bin") for k in ("ids", "rows", "meta")}
         num_rows = 0
-        for ids_n, rows_nW, meta_n3 in store.iter_rows():  # slab by slab: bounded memory
+        rows = store.iter_rows(changed_only=base is not None)
+        for ids_n, rows_nW, meta_n3 in rows:  # slab by slab: bounded memory
             writers["ids"].write(ids_n)
             writers["rows"].write(rows_nW)
             writers["meta"].write(meta_n3)
@@ -170,7 +226,20 @@ def save_snapshot(module, path: str) -> list[str]:
         files["pending_state"] = _write_tensor(stem + ".pending_state.bin", p_state)
         shards[name] = {"rank": rank, "num_rows": num_rows, "num_pending": int(p_ids.numel()),
                         "step": store.step, "last_sweep": store.last_sweep, "files": files}
+        if base is not None:
+            removed = store.removed_ids()
+            files["removed"] = _write_tensor(stem + ".removed.bin", removed)
+            shards[name]["num_removed"] = int(removed.numel())
         written += [os.path.join(vdir, f["file"]) for f in files.values()]
+    if base is not None:  # this rank's files of the older links, into this folder
+        base_path, links = base
+        for link in links:
+            src_dir, dst_dir = (os.path.join(p, f"v{link['version']}") for p in (base_path, path))
+            os.makedirs(dst_dir, exist_ok=True)
+            for name in module.stores:
+                for info in link["shards"][name][rank]["files"].values():
+                    _link_file(os.path.join(src_dir, info["file"]), os.path.join(dst_dir, info["file"]))
+            _fsync_dir(dst_dir)
     # The files' own fsyncs do not cover their names: the folder's entries must be durable
     # before the manifest that names them can be.
     _fsync_dir(vdir)
@@ -185,6 +254,8 @@ def save_snapshot(module, path: str) -> list[str]:
         manifest = {
             "format": FORMAT,
             "version": version,
+            "kind": "full" if base is None else "delta",
+            "chain": [] if base is None else base[1],
             "world_size": world,
             "event_time": module.event_time,
             "tables": {
@@ -206,11 +277,15 @@ def save_snapshot(module, path: str) -> list[str]:
         os.replace(tmp, os.path.join(path, MANIFEST))  # the commit point
         written.append(os.path.join(path, MANIFEST))
         _fsync_dir(path)
+        keep = {f"v{link['version']}" for link in _links(manifest)}
         for entry in os.listdir(path):
-            if entry.startswith("v") and entry != f"v{version}" and os.path.isdir(os.path.join(path, entry)):
+            if entry.startswith("v") and entry not in keep and os.path.isdir(os.path.join(path, entry)):
                 shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
     if world > 1:
         dist.barrier(group=module.group)
+    for store in module.stores.values():
+        store.mark_snapshot()
+    module.last_snapshot = (os.path.abspath(path), version)
     return written
 
 
@@ -249,36 +324,53 @@ def _check_tables(module, manifest: dict, path: str) -> None:
             )
 
 
-def _shard_files(vdir: str, shard: dict, width: int) -> dict[str, _ShardFile]:
+def _shard_files(vdir: str, shard: dict, width: int, *, delta: bool, pending: bool) -> dict[str, _ShardFile]:
+    """The shard's files to read: its rows (and a delta's removals), and the admission
+    counters where `pending` (the newest link's: each link holds the whole map)."""
     n, p, files = shard["num_rows"], shard["num_pending"], shard["files"]
-    return {
+    out = {
         "ids": _ShardFile(vdir, files["ids"], 8, n, "num_rows"),
         "rows": _ShardFile(vdir, files["rows"], 4 * width, n, "num_rows"),
         "meta": _ShardFile(vdir, files["meta"], 8 * NUM_META, n, "num_rows"),
-        "pending_ids": _ShardFile(vdir, files["pending_ids"], 8, p, "num_pending"),
-        "pending_state": _ShardFile(vdir, files["pending_state"], 8 * NUM_STATE, p, "num_pending"),
     }
+    if delta:
+        if "removed" not in files:
+            raise ValueError(f"snapshot {vdir}: a delta shard lists no removed-ids file")
+        out["removed"] = _ShardFile(vdir, files["removed"], 8, shard["num_removed"], "num_removed")
+    if pending:
+        out["pending_ids"] = _ShardFile(vdir, files["pending_ids"], 8, p, "num_pending")
+        out["pending_state"] = _ShardFile(vdir, files["pending_state"], 8 * NUM_STATE, p, "num_pending")
+    return out
 
 
 def _stage_shard(staged, files: dict[str, _ShardFile], shard: dict, rank: int, world: int, filter_ids: bool) -> None:
-    """Read one shard into a staging store: the rows and counters this rank owns."""
+    """Read one shard of one link into a staging store: the rows and counters this rank
+    owns. A delta's removals go first, and its rows replace the staged ones of their ids."""
     n, p = shard["num_rows"], shard["num_pending"]
+    delta = "removed" in files
+    mine = lambda ids: (owner_rank(ids, world) == rank).nonzero().squeeze(1)  # noqa: E731
     try:
+        if delta:
+            removed = files["removed"].read(shard["num_removed"], torch.int64, None)
+            staged.unstage(removed[mine(removed)] if filter_ids else removed)
         for start in range(0, n, _LOAD_CHUNK_ROWS):
             count = min(_LOAD_CHUNK_ROWS, n - start)
             ids = files["ids"].read(count, torch.int64, None)
             rows = files["rows"].read(count, torch.float32, staged.width)
             meta = files["meta"].read(count, torch.int64, NUM_META)
             if filter_ids:
-                mine = (owner_rank(ids, world) == rank).nonzero().squeeze(1)
-                ids, rows, meta = ids[mine], rows[mine], meta[mine]
+                keep = mine(ids)
+                ids, rows, meta = ids[keep], rows[keep], meta[keep]
+            if delta:
+                staged.unstage(ids)
             staged.stage(ids, rows, meta)
-        p_ids = files["pending_ids"].read(p, torch.int64, None)
-        p_state = files["pending_state"].read(p, torch.int64, NUM_STATE)
-        if filter_ids:
-            mine = owner_rank(p_ids, world) == rank
-            p_ids, p_state = p_ids[mine], p_state[mine]
-        staged.pending.insert_new(p_ids, p_state)
+        if "pending_ids" in files:
+            p_ids = files["pending_ids"].read(p, torch.int64, None)
+            p_state = files["pending_state"].read(p, torch.int64, NUM_STATE)
+            if filter_ids:
+                keep = mine(p_ids)
+                p_ids, p_state = p_ids[keep], p_state[keep]
+            staged.pending.insert_new(p_ids, p_state)
         for f in files.values():
             f.finish()
     finally:
@@ -293,7 +385,10 @@ def load_snapshot(module, path: str) -> None:
     rank, world = _dist(module)
     manifest = read_manifest(path)
     _check_tables(module, manifest, path)
-    vdir = os.path.join(path, f"v{manifest['version']}")
+    links = _links(manifest)
+    if links[0]["kind"] != "full" or any(link["kind"] != "delta" for link in links[1:]):
+        raise ValueError(f"snapshot {path}: its chain must be one full link, then deltas "
+                         f"(has {[link['kind'] for link in links]})")
     saved_world = manifest["world_size"]
     common = math.gcd(saved_world, world)
     my_shards = [s for s in range(saved_world) if s % common == rank % common]
@@ -301,13 +396,16 @@ def load_snapshot(module, path: str) -> None:
     staged, error = {}, None
     try:
         # Every size and row count first: a bad snapshot fails before gigabytes are read.
-        files = {name: [_shard_files(vdir, manifest["tables"][name]["shards"][s], store.width) for s in my_shards]
+        files = {name: [[_shard_files(os.path.join(path, f"v{link['version']}"), link["shards"][name][s], store.width,
+                                      delta=i > 0, pending=i == len(links) - 1) for s in my_shards]
+                        for i, link in enumerate(links)]
                  for name, store in module.stores.items()}
         for name, store in module.stores.items():
             shards = manifest["tables"][name]["shards"]
             staged[name] = store.staging()
-            for s, shard_files in zip(my_shards, files[name]):
-                _stage_shard(staged[name], shard_files, shards[s], rank, world, filter_ids)
+            for link, link_files in zip(links, files[name]):
+                for s, shard_files in zip(my_shards, link_files):
+                    _stage_shard(staged[name], shard_files, link["shards"][name][s], rank, world, filter_ids)
             staged[name].step = max(sh["step"] for sh in shards)
             sweeps = [sh["last_sweep"] for sh in shards if sh["last_sweep"] is not None]
             staged[name].last_sweep = max(sweeps) if sweeps else None
@@ -327,6 +425,7 @@ def load_snapshot(module, path: str) -> None:
     for name, store in module.stores.items():
         store.adopt(staged[name])
     module.event_time = manifest["event_time"]
+    module.last_snapshot = (os.path.abspath(path), manifest["version"])
 
 
 # ---------------------------------------------------------------------- export

@@ -122,6 +122,10 @@ class TableStore:
         self.version = 0  # bumped whenever any row changes tier or slot
         self.last_locations = None
         self.last_sweep = None
+        # Since the last snapshot saved or loaded: its lookup count (rows looked up after
+        # it have changed) and the ids removed (expired, dropped) after it.
+        self.snapshot_step = 0
+        self.removed_since_snapshot: list[torch.Tensor] = []
         self.hits = [0, 0, 0]
         self.misses = 0
 
@@ -156,6 +160,7 @@ class TableStore:
         self.index.remove(ids_N, self._tier_view())
 
     def _remove(self, ids_N, tier_N, slot_N) -> None:
+        self.removed_since_snapshot.append(ids_N.detach().clone())
         self._detach(ids_N)
         for t, tier in enumerate(self.tiers):
             tier.free(slot_N[tier_N == t])
@@ -500,14 +505,30 @@ class TableStore:
                 tier.meta.scatter(slots, meta_P3)
 
     # ---------------------------------------------------------------- bulk (snapshots)
-    def iter_rows(self):
+    def iter_rows(self, changed_only: bool = False):
         """Yield (ids [n], rows [n, W] on CPU, meta [n, 3]) of every materialized row, one
-        slab at a time, so a snapshot of a table larger than memory streams through."""
+        slab at a time, so a snapshot of a table larger than memory streams through.
+        `changed_only`: only rows looked up since the last snapshot, what a delta snapshot
+        writes (a row changes only in an optimizer step after a lookup; moving between
+        tiers changes none); their rows alone are read."""
         for tier in self.tiers:
             for ids_slab, rows_slab, meta_slab in zip(tier.ids.slabs, tier.rows.slabs, tier.meta.slabs):
-                used = (ids_slab.view(-1) >= 0).nonzero().squeeze(1)
+                keep = ids_slab.view(-1) >= 0
+                if changed_only:
+                    keep &= meta_slab[:, META_LAST_ACCESS] > self.snapshot_step
+                used = keep.nonzero().squeeze(1)
                 if used.numel():
                     yield ids_slab.view(-1)[used], rows_slab[used.to(rows_slab.device)].cpu(), meta_slab[used]
+
+    def removed_ids(self) -> torch.Tensor:
+        """Ids removed since the last snapshot (each once; some may be back by now)."""
+        if not self.removed_since_snapshot:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.unique(torch.cat(self.removed_since_snapshot))
+
+    def mark_snapshot(self) -> None:
+        """A snapshot of this store's present state was saved or loaded."""
+        self.snapshot_step, self.removed_since_snapshot = self.step, []
 
     def all_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids [N], rows [N, W], meta [N, 3]) of every materialized row (in memory)."""
@@ -527,8 +548,20 @@ class TableStore:
                           self.kernels)
 
     def stage(self, ids_N: torch.Tensor, rows_NW: torch.Tensor, meta_N3: torch.Tensor) -> None:
-        """Add rows read from a snapshot (staging stores only: straight to SSD)."""
+        """Add rows read from a snapshot (staging stores only: straight to SSD); their ids
+        must not be staged yet (`unstage` them first)."""
         self._place(ids_N, rows_NW, meta_N3, 2)
+
+    def unstage(self, ids_N: torch.Tensor) -> None:
+        """Drop staged rows of these ids where present (a delta's removals)."""
+        if not len(self.index) or not ids_N.numel():
+            return
+        tier_N, slot_N = self._locate(ids_N)
+        here = (slot_N >= 0).nonzero().squeeze(1)
+        if here.numel():
+            self._detach(ids_N[here])
+            for t, tier in enumerate(self.tiers):
+                tier.free(slot_N[here][tier_N[here] == t])
 
     def adopt(self, staged: TableStore) -> None:
         """Replace this store's rows, counters and step by a staged store's; the policy's
@@ -540,6 +573,7 @@ class TableStore:
         self.index, self.pending = staged.index, staged.pending
         self.pending.cfg = self.cfg
         self.step, self.last_sweep = staged.step, staged.last_sweep
+        self.mark_snapshot()
         self.window_start, self.step_done = staged.step + 1, True
         self.version += 1
         self.last_locations = None

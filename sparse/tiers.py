@@ -38,6 +38,7 @@ SLAB_FILE = re.compile(r"tier(\.g\d+)?\.(rows|ids|meta)\.\d{5}\.slab")
 
 _HUGE_PAGE = 1 << 21
 _MADV_HUGEPAGE = 14
+_MADV_RANDOM = 1
 _MADV_DONTNEED = 4
 _MS_SYNC = 4
 _libc = None
@@ -126,6 +127,10 @@ class _SlabArray:
             numel = self.slab_rows * self.width
             _reserve(path, numel * self.dtype.itemsize)
             slab = torch.from_file(path, shared=True, size=numel, dtype=self.dtype).view(self.slab_rows, self.width)
+            # Rows are read at random: left to the kernel, a fault on a cold row reads ahead
+            # (measured ~500 KB read per cold row of a 1 GB tier: 1.4K rows/s); at random a
+            # fault reads one page. Advice only.
+            _c_library().madvise(slab.data_ptr(), numel * self.dtype.itemsize, _MADV_RANDOM)
             if self.unlink:
                 # The mapping keeps the inode: the file works as before but has no name, so
                 # the kernel frees its blocks when the process ends, kill -9 included.

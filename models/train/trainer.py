@@ -334,13 +334,14 @@ class Trainer:
         }
         rank_state = {"step": self.step, "loader": loader_state, "rng": capture_rng_state(),
                       "validations_since_best": self.validations_since_best}
-        self.checkpoints.save(
+        published = self.checkpoints.save(
             self.step, dense_state=dense_state, rank_state=rank_state,
             # One snapshot directory for all ranks (each writes its shards, rank 0 the
             # manifest): that is what makes it loadable under another world size.
             write_shared=lambda shared: self.store.save_snapshot(str(shared / "sparse")),
             config_fingerprint=self.fingerprint,
         )
+        self.store.snapshot_moved(str(sparse_snapshot_dir(published)))  # a delta's base, once renamed
         self.saved_step = self.step
 
     def _restore_newest_intact(self) -> None:

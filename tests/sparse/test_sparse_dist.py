@@ -1,8 +1,11 @@
-"""2 gloo ranks give the same rows as 1 rank on the same global batch; resharding 1 -> 2 -> 1."""
+"""2 gloo ranks give the same rows as 1 rank on the same global batch; resharding 1 -> 2 -> 1,
+the 2 -> 1 one from an incremental snapshot whose full link's folder is gone."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 
 import torch
@@ -16,8 +19,9 @@ from genrec.sparse.hashing import owner_rank
 NUM_USERS = 6
 
 
-def make_config() -> SparseConfig:
+def make_config(max_deltas: int = 0) -> SparseConfig:
     return SparseConfig(
+        snapshot_max_deltas=max_deltas,
         tables=[
             TableConfig(name="item", embedding_dim=4, feature_names=["item_id", "neg_item"], device_rows=4,
                         host_rows=4, admit_min_count=2, learning_rate=0.05, seed=5),
@@ -52,8 +56,8 @@ def kjts(users):
     return hist, neg
 
 
-def train(tec, users_of_step, steps: int) -> None:
-    for step in range(steps):
+def train(tec, users_of_step, steps: int, start: int = 0) -> None:
+    for step in range(start, steps):
         hist, neg = kjts(users_of_step(step))
         if step % 2:
             tec.prefetch(hist)  # a collective too; must not change any value
@@ -97,8 +101,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, steps: int) -> None:
     # Reshard 1 -> 2: the snapshot the single-rank run saved, loaded under 2 ranks.
     from_single = TieredEmbeddingCollection(make_config())
     from_single.load_snapshot(os.path.join(out_dir, "single_snap"))
-    tec = TieredEmbeddingCollection(make_config())
-    train(tec, lambda s: global_batch(s)[rank::world], steps)
+    tec = TieredEmbeddingCollection(make_config(max_deltas=2))
+    train(tec, lambda s: global_batch(s)[rank::world], steps // 2)
+    tec.save_snapshot(os.path.join(out_dir, "base_snap"))  # full; "snap" below is a delta on it
+    train(tec, lambda s: global_batch(s)[rank::world], steps, start=steps // 2)
     for name, (ids, rows) in rows_by_id(from_single).items():
         mine = rows_by_id(tec)[name]
         assert torch.equal(ids, mine[0]), f"rank {rank} {name}: resharded ids differ"
@@ -109,6 +115,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, steps: int) -> None:
     probe = tec(hist)["item_id"].values()
     tec.train()
     tec.save_snapshot(os.path.join(out_dir, "snap"))
+    dist.barrier()
+    if rank == 0:  # the full link's own folder goes (a pruned checkpoint): "snap" holds its chain
+        shutil.rmtree(os.path.join(out_dir, "base_snap"))
     # Same world size: each rank reads its own shard only, not world-size times the I/O.
     reloaded = TieredEmbeddingCollection(make_config())
     opened = opened_during(lambda: reloaded.load_snapshot(os.path.join(out_dir, "snap")))
@@ -146,6 +155,7 @@ def test_two_ranks_equal_one_rank_and_snapshots_reshard(tmp_path):
     for r, p in enumerate(parts):
         hist, _ = kjts(global_batch(0)[r::2])
         torch.testing.assert_close(p["probe"], single(hist)["item_id"].values(), atol=1e-6, rtol=1e-6)
+    assert json.loads((tmp_path / "snap" / "MANIFEST.json").read_text())["kind"] == "delta"
     resharded = TieredEmbeddingCollection(make_config())
     opened = opened_during(lambda: resharded.load_snapshot(str(tmp_path / "snap")))
     assert all(any(f".rank{r}." in f for f in opened) for r in range(2)), "2 -> 1 must read both shards"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -99,7 +100,7 @@ def test_killed_process_snapshot_continues_exactly(tmp_path):
         real, n = snapshot._Writer.close, [0]
         def dying(self):
             n[0] += 1
-            if n[0] == 7:  # every file closes once: this is the second table's second file
+            if n[0] == 7:  # every file closes once: this is among the second table's
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(self)
         snapshot._Writer.close = dying
@@ -114,8 +115,9 @@ def test_killed_process_snapshot_continues_exactly(tmp_path):
     straight = TieredEmbeddingCollection(make_config())
     run_steps(straight, 0, 20)
     assert_same_state(full_state(straight), full_state(resumed))
-    resumed.save_snapshot(str(snap_dir))  # the next save cleans up the torn version
-    assert len([p for p in os.listdir(snap_dir) if p.startswith("v")]) == 1
+    resumed.save_snapshot(str(snap_dir))  # the next save (a delta on the loaded one) cleans up the torn version
+    links = {f"v{link['version']}" for link in snap._links(snap.read_manifest(str(snap_dir)))}
+    assert {p for p in os.listdir(snap_dir) if p.startswith("v")} == links and len(links) == 2
 
 
 def _saved(tmp_path):
@@ -296,3 +298,59 @@ def test_io_error_during_load_leaves_store_unchanged(tmp_path, monkeypatch):
     assert _slab_files(ssd) == slabs_before
     other.load_snapshot(path)
     assert_same_state(full_state(tec), full_state(other))
+
+
+def _incremental(max_deltas: int) -> SparseConfig:
+    cfg = make_config()
+    cfg.snapshot_max_deltas = max_deltas
+    return cfg
+
+
+def test_incremental_chain_restores_what_full_snapshots_hold(tmp_path):
+    """Each snapshot of a chain (full, then deltas into fresh folders, as checkpoints
+    take them) loads to exactly the state a full snapshot of that moment holds: rows,
+    optimizer state, metadata, admission counters (TTL drops and LFU evictions between
+    snapshots included). A delta writes only the rows looked up since the one before;
+    after max_deltas the next one is full; deleting the older folders breaks none."""
+    live = TieredEmbeddingCollection(_incremental(max_deltas=2))
+    kinds, states = [], []
+    for k in range(5):
+        run_steps(live, 6 * k, 6 * k + 6)
+        live.save_snapshot(str(tmp_path / f"inc{k}"))
+        live_before = live.last_snapshot
+        live.save_snapshot(str(tmp_path / f"full{k}"), full=True)
+        live.last_snapshot = live_before  # the chain goes on from the incremental one
+        manifest = snap.read_manifest(str(tmp_path / f"inc{k}"))
+        kinds.append(manifest["kind"])
+        states.append(full_state(live))
+        if manifest["kind"] == "delta":
+            shards = manifest["tables"]["item"]["shards"][0]
+            assert 0 < shards["num_rows"] < live.stores["item"].num_rows
+    assert kinds == ["full", "delta", "delta", "full", "delta"]
+    assert any(snap.read_manifest(str(tmp_path / f"inc{k}"))["tables"]["item"]["shards"][0]["num_removed"]
+               for k in (1, 2, 4))
+    for k in range(4):  # the chains' older folders go, as pruned checkpoints do
+        shutil.rmtree(tmp_path / f"inc{k}")
+    restored = TieredEmbeddingCollection(make_config())
+    restored.load_snapshot(str(tmp_path / "inc4"))
+    assert_same_state(full_state(restored), states[4])
+    full = TieredEmbeddingCollection(make_config())
+    full.load_snapshot(str(tmp_path / "full4"))
+    run_steps(restored, 30, 36)
+    run_steps(full, 30, 36)
+    assert_same_state(full_state(restored), full_state(full))
+
+
+def test_every_link_of_a_chain_restores_its_moment(tmp_path):
+    live = TieredEmbeddingCollection(_incremental(max_deltas=3))
+    states = []
+    for k in range(4):
+        run_steps(live, 5 * k, 5 * k + 5)
+        live.save_snapshot(str(tmp_path / f"s{k}"))
+        states.append(full_state(live))
+    for k in range(4):
+        restored = TieredEmbeddingCollection(make_config())
+        restored.load_snapshot(str(tmp_path / f"s{k}"))
+        assert_same_state(full_state(restored), states[k])
+    assert snap.read_manifest(str(tmp_path / "s3"))["kind"] == "delta"
+    assert len(snap.read_manifest(str(tmp_path / "s3"))["chain"]) == 3
