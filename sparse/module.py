@@ -242,6 +242,9 @@ class TieredEmbeddingCollection(nn.Module):
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
         self.device = torch.device(config.device or "cpu")
+        if config.snapshot_max_deltas < 0:
+            raise ValueError(f"sparse.snapshot_max_deltas must be >= 0 (0: full snapshots only), "
+                             f"got {config.snapshot_max_deltas}")
         self.feature_to_table: dict[str, str] = {}
         self.tables: dict[str, TableConfig] = {}
         for t in config.tables:
@@ -269,6 +272,7 @@ class TieredEmbeddingCollection(nn.Module):
             remove_slab_files(tdir)  # an earlier run's spill: never read again (see tiers.py)
             self.stores[name] = TableStore(t, tdir, config.ssd_slab_rows, self.device, unlink_slabs=temporary,
                                            kernels=config.kernels)
+            self.stores[name].track_removals = config.snapshot_max_deltas > 0
         self.event_time: int | None = None
         # Leaf that makes the fused outputs require grad; it never receives a gradient.
         self._anchor = torch.zeros((), requires_grad=True)

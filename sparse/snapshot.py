@@ -166,7 +166,7 @@ def _delta_base(module, world: int, max_deltas: int) -> tuple[str, list[dict]] |
     """(folder, links) of the snapshot a delta can build on, or None for a full snapshot:
     the last one this module saved or loaded, still there, of this world size, with fewer
     than `max_deltas` deltas."""
-    last = getattr(module, "last_snapshot", None)
+    last = module.last_snapshot
     if max_deltas <= 0 or last is None:
         return None
     base_path, base_version = last
@@ -199,7 +199,12 @@ def save_snapshot(module, path: str, *, max_deltas: int = 0) -> list[str]:
     the module doc). Returns the paths of the files this rank wrote (rank 0: the manifest
     too), not the older links' files it linked: the manifest's sizes and CRC32s cover those."""
     rank, world = _dist(module)
-    base = _delta_base(module, world, max_deltas) if rank == 0 else None
+    known = [all(store.removals_known for store in module.stores.values())]
+    if world > 1 and max_deltas > 0:  # a delta needs every rank's removals since the base
+        known = [None] * world
+        dist.all_gather_object(known, all(store.removals_known for store in module.stores.values()),
+                               group=module.group)
+    base = _delta_base(module, world, max_deltas) if rank == 0 and all(known) else None
     token = [f"{time.time_ns():x}{os.getpid():x}", base]
     if world > 1:  # every rank writes the same kind of link
         dist.broadcast_object_list(token, src=0, group=module.group)

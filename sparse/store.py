@@ -123,9 +123,13 @@ class TableStore:
         self.last_locations = None
         self.last_sweep = None
         # Since the last snapshot saved or loaded: its lookup count (rows looked up after
-        # it have changed) and the ids removed (expired, dropped) after it.
+        # it have changed) and the ids removed (expired, dropped) after it, kept only while
+        # deltas are on (the module sets it) and up to about a table's worth of ids: past
+        # that `removed_ids` is None and the next snapshot must be full.
         self.snapshot_step = 0
-        self.removed_since_snapshot: list[torch.Tensor] = []
+        self.track_removals = False
+        self.removed_since_snapshot: list[torch.Tensor] | None = []
+        self._removed_count = 0
         self.hits = [0, 0, 0]
         self.misses = 0
 
@@ -160,7 +164,11 @@ class TableStore:
         self.index.remove(ids_N, self._tier_view())
 
     def _remove(self, ids_N, tier_N, slot_N) -> None:
-        self.removed_since_snapshot.append(ids_N.detach().clone())
+        if self.track_removals and self.removed_since_snapshot is not None:
+            self.removed_since_snapshot.append(ids_N.detach().clone())
+            self._removed_count += ids_N.numel()
+            if self._removed_count > max(len(self.index), 1 << 20):
+                self.removed_since_snapshot = None
         self._detach(ids_N)
         for t, tier in enumerate(self.tiers):
             tier.free(slot_N[tier_N == t])
@@ -520,15 +528,21 @@ class TableStore:
                 if used.numel():
                     yield ids_slab.view(-1)[used], rows_slab[used.to(rows_slab.device)].cpu(), meta_slab[used]
 
+    @property
+    def removals_known(self) -> bool:
+        """Every id removed since the last snapshot is logged (a delta can be taken)."""
+        return self.track_removals and self.removed_since_snapshot is not None
+
     def removed_ids(self) -> torch.Tensor:
         """Ids removed since the last snapshot (each once; some may be back by now)."""
+        assert self.removals_known, "a delta snapshot needs every removal since the last one"
         if not self.removed_since_snapshot:
             return torch.empty(0, dtype=torch.int64)
         return torch.unique(torch.cat(self.removed_since_snapshot))
 
     def mark_snapshot(self) -> None:
         """A snapshot of this store's present state was saved or loaded."""
-        self.snapshot_step, self.removed_since_snapshot = self.step, []
+        self.snapshot_step, self.removed_since_snapshot, self._removed_count = self.step, [], 0
 
     def all_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids [N], rows [N, W], meta [N, 3]) of every materialized row (in memory)."""

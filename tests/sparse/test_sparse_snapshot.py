@@ -354,3 +354,11 @@ def test_every_link_of_a_chain_restores_its_moment(tmp_path):
         assert_same_state(full_state(restored), states[k])
     assert snap.read_manifest(str(tmp_path / "s3"))["kind"] == "delta"
     assert len(snap.read_manifest(str(tmp_path / "s3"))["chain"]) == 3
+    # A removal log given up (it outgrew the table) makes the next snapshot full.
+    live = TieredEmbeddingCollection(_incremental(max_deltas=3))
+    run_steps(live, 0, 5)
+    live.save_snapshot(str(tmp_path / "t0"))
+    run_steps(live, 5, 10)
+    live.stores["adv"].removed_since_snapshot = None
+    live.save_snapshot(str(tmp_path / "t1"))
+    assert snap.read_manifest(str(tmp_path / "t1"))["kind"] == "full"
