@@ -39,7 +39,8 @@ setup(
         "genrec.sparse._store_kernels", sources=["sparse/csrc/store.c"],
         # The store's kernels reproduce the PyTorch reference bit for bit: no fast-math, and
         # no fused multiply-add contraction (each product and sum rounds on its own).
-        extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", *ISA], extra_link_args=["-lm"],
+        extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread", *ISA],
+        extra_link_args=["-pthread", "-lm"],
     )],
     cmdclass={"build_ext": BuildNative},
 )

@@ -78,6 +78,7 @@ _SIGNATURES = {
     "expired_slots": ([_P, _P, _I, _I, _I, _I, _P, _I, _P], _I),
     "lowest_rows": ([_P, _I, _I, _I, _P, _P], _I),
     "slab_rows_copy": ([_P, _I, _I, _P, _I, _P, _I], None),
+    "slab_rows_copy_mt": ([_P, _I, _I, _P, _I, _P, _I, _I], None),
 }
 
 
@@ -242,10 +243,16 @@ def clock_victims(tier, ref_S: torch.Tensor, hand: torch.Tensor, k: int, step: i
 
 
 def slab_rows_copy(slab_addrs: torch.Tensor, slab_rows: int, slots_N: torch.Tensor, buf: torch.Tensor,
-                   scatter: bool) -> None:
+                   scatter: bool, threads: int = 1) -> None:
     """Rows at `slots_N` of a multi-slab array into `buf` [N, ...] (or `buf` into them,
-    `scatter`), in one native call (see csrc/store.c). The caller checks dtypes and shapes."""
+    `scatter`), in one native call (see csrc/store.c); `threads` > 1 splits the rows over
+    that many threads (memory-mapped files: reads in flight at once). The caller checks
+    dtypes and shapes."""
     row_bytes = buf[0].numel() * buf.element_size() if buf.shape[0] else 0
+    if threads > 1:
+        load().slab_rows_copy_mt(slab_addrs.data_ptr(), slab_rows, row_bytes, slots_N.data_ptr(), slots_N.numel(),
+                                 buf.data_ptr(), int(scatter), threads)
+        return
     load().slab_rows_copy(slab_addrs.data_ptr(), slab_rows, row_bytes, slots_N.data_ptr(), slots_N.numel(),
                           buf.data_ptr(), int(scatter))
 

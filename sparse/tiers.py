@@ -38,6 +38,12 @@ SLAB_FILE = re.compile(r"tier(\.g\d+)?\.(rows|ids|meta)\.\d{5}\.slab")
 
 _HUGE_PAGE = 1 << 21
 _MADV_HUGEPAGE = 14
+SSD_IO_THREADS = 8
+"""Threads that copy a large batch of SSD-tier rows: reads in flight at once. Measured on
+this machine's disk, 4,096 cold rows of a 2M-row tier: 17-20K rows/s on one thread, 40K
+on 8, 45-51K on 16-32, where starting the threads halved the warm (page-cache) rate."""
+SSD_IO_MIN_ROWS = 1024
+"""Smaller batches are copied on the calling thread (starting threads costs more)."""
 _MADV_RANDOM = 1
 _MADV_DONTNEED = 4
 _MS_SYNC = 4
@@ -186,26 +192,35 @@ class _SlabArray:
             start += c
             yield pos, slots_N[pos] - s * self.slab_rows, self.slabs[s]
 
+    def _io_threads(self, n: int) -> int:
+        """Threads for a native copy of n rows: several for a large batch of file-backed
+        rows (cold ones are page faults, one in flight per thread), else one."""
+        return SSD_IO_THREADS if self.path_prefix is not None and n >= SSD_IO_MIN_ROWS else 1
+
     def gather(self, slots_N: torch.Tensor) -> torch.Tensor:
-        if len(self.slabs) == 1:
+        threads = self._io_threads(slots_N.numel()) if self.native_io else 1
+        if len(self.slabs) == 1 and threads == 1:
             return self.slabs[0].index_select(0, slots_N.to(self.slabs[0].device))
         out = torch.empty(slots_N.numel(), self.width, dtype=self.dtype, device=self.device)
         if self.native_io:
-            native.slab_rows_copy(self._addrs, self.slab_rows, slots_N.contiguous(), out, scatter=False)
+            native.slab_rows_copy(self._addrs, self.slab_rows, slots_N.contiguous(), out, scatter=False,
+                                  threads=threads)
             return out
         for pos, local, slab in self._groups(slots_N):
             out[pos] = slab.index_select(0, local)
         return out
 
     def scatter(self, slots_N: torch.Tensor, values_NW: torch.Tensor) -> None:
-        if len(self.slabs) == 1:
+        threads = self._io_threads(slots_N.numel()) if self.native_io else 1
+        if len(self.slabs) == 1 and threads == 1:
             s = self.slabs[0]
             # index_put_ measured ~20% faster than index_copy_ for row scatters on CPU.
             s.index_put_((slots_N.to(s.device),), values_NW.to(s.device, s.dtype))
             return
         if self.native_io:
             values_NW = values_NW.to(self.device, self.dtype).reshape(slots_N.numel(), self.width).contiguous()
-            native.slab_rows_copy(self._addrs, self.slab_rows, slots_N.contiguous(), values_NW, scatter=True)
+            native.slab_rows_copy(self._addrs, self.slab_rows, slots_N.contiguous(), values_NW, scatter=True,
+                                  threads=threads)
             return
         for pos, local, slab in self._groups(slots_N):
             slab.index_put_((local,), values_NW[pos].to(slab.device, slab.dtype))

@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <pthread.h>
 
 #define NUM_META 3
 #define META_LAST_ACCESS 0
@@ -555,5 +556,46 @@ void slab_rows_copy(const int64_t *slabs, int64_t slab_rows, int64_t row_bytes, 
             memcpy(row, buf + i * row_bytes, (size_t)row_bytes);
         else
             memcpy(buf + i * row_bytes, row, (size_t)row_bytes);
+    }
+}
+
+typedef struct {
+    const int64_t *slabs, *slots;
+    int64_t slab_rows, row_bytes, n, dir;
+    char *buf;
+} CopyShare;
+
+static void *copy_share(void *arg) {
+    CopyShare *c = (CopyShare *)arg;
+    slab_rows_copy(c->slabs, c->slab_rows, c->row_bytes, c->slots, c->n, c->buf, c->dir);
+    return NULL;
+}
+
+#define MAX_COPY_THREADS 64
+
+/* slab_rows_copy on up to `threads` threads, a contiguous share of the rows each. Meant
+ * for memory-mapped SSD slabs: a cold row is a page fault that its thread waits out
+ * alone, so `threads` threads keep that many reads in flight (the disk's queue depth)
+ * where one thread issues them one at a time. A thread that cannot start leaves its share
+ * to the calling thread. */
+void slab_rows_copy_mt(const int64_t *slabs, int64_t slab_rows, int64_t row_bytes, const int64_t *slots, int64_t n,
+                       char *buf, int64_t dir, int64_t threads) {
+    if (threads > MAX_COPY_THREADS) threads = MAX_COPY_THREADS;
+    if (threads < 1) threads = 1;
+    pthread_t tid[MAX_COPY_THREADS];
+    CopyShare share[MAX_COPY_THREADS];
+    int started[MAX_COPY_THREADS] = {0};
+    int64_t per = (n + threads - 1) / threads;
+    for (int64_t t = 0; t < threads; t++) {
+        int64_t lo = t * per, m = n - lo < per ? n - lo : per;
+        share[t] = (CopyShare){slabs, slots + lo, slab_rows, row_bytes, m > 0 ? m : 0, dir, buf + lo * row_bytes};
+        if (t > 0 && share[t].n > 0) started[t] = pthread_create(&tid[t], NULL, copy_share, &share[t]) == 0;
+    }
+    copy_share(&share[0]);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tid[t], NULL);
+        else if (share[t].n > 0)
+            copy_share(&share[t]);
     }
 }
