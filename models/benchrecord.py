@@ -59,7 +59,9 @@ def _version(package: str) -> str | None:
 
 
 def start_record() -> dict:
-    return {"started_unix": time.time(), "load_average_before": list(os.getloadavg())}
+    # The commit at the start: the code that runs is the one imported then, whatever the
+    # working tree holds by the end.
+    return {"started_unix": time.time(), "load_average_before": list(os.getloadavg()), "git_commit": _git_commit()}
 
 
 def finish_record(record: dict) -> dict:
@@ -67,7 +69,6 @@ def finish_record(record: dict) -> dict:
         **record,
         "seconds": time.time() - record["started_unix"],
         "load_average_after": list(os.getloadavg()),
-        "git_commit": _git_commit(),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "fbgemm_gpu": _version("fbgemm-gpu-cpu") or _version("fbgemm-gpu"),
                      "torchrec": _version("torchrec")},

@@ -6,8 +6,8 @@ makes the dense parameters data-parallel when there are several ranks:
 `train.dense_parallel` "ddp" (replicas, gradients all-reduced) or "fsdp2" (`fully_shard`:
 each tower layer and the rest of the dense model sharded over the ranks, gathered per
 forward, gradients reduce-scattered). The model file itself knows nothing of this.
-Whatever the parallelism, `dense_state_dict` / `optimizer_state_dict` give the full state dicts in
-one form, so a checkpoint moves between DDP and FSDP2 and between world sizes.
+Whatever the parallelism, `dense_state_dict` / `optimizer_state_dict` give the full state
+dicts in one form, so a checkpoint moves between DDP and FSDP2 and between world sizes.
 """
 
 from __future__ import annotations

@@ -122,14 +122,10 @@ class TableStore:
         self.version = 0  # bumped whenever any row changes tier or slot
         self.last_locations = None
         self.last_sweep = None
-        # Since the last snapshot saved or loaded: its lookup count (rows looked up after
-        # it have changed) and the ids removed (expired, dropped) after it, kept only while
-        # deltas are on (the module sets it) and up to about a table's worth of ids: past
-        # that `removed_ids` is None and the next snapshot must be full.
-        self.snapshot_step = 0
-        self.track_removals = False
+        # Since the last snapshot saved or loaded (for deltas): its lookup count, and the ids
+        # removed after it while track_removals (given up, None, past a table's worth).
+        self.snapshot_step, self.track_removals, self._removed_count = 0, False, 0
         self.removed_since_snapshot: list[torch.Tensor] | None = []
-        self._removed_count = 0
         self.hits = [0, 0, 0]
         self.misses = 0
 
@@ -529,8 +525,7 @@ class TableStore:
                     yield ids_slab.view(-1)[used], rows_slab[used.to(rows_slab.device)].cpu(), meta_slab[used]
 
     @property
-    def removals_known(self) -> bool:
-        """Every id removed since the last snapshot is logged (a delta can be taken)."""
+    def removals_known(self) -> bool:  # every id removed since the last snapshot is logged
         return self.track_removals and self.removed_since_snapshot is not None
 
     def removed_ids(self) -> torch.Tensor:
@@ -567,12 +562,10 @@ class TableStore:
         self._place(ids_N, rows_NW, meta_N3, 2)
 
     def unstage(self, ids_N: torch.Tensor) -> None:
-        """Drop staged rows of these ids where present (a delta's removals)."""
-        if not len(self.index) or not ids_N.numel():
-            return
-        tier_N, slot_N = self._locate(ids_N)
-        here = (slot_N >= 0).nonzero().squeeze(1)
-        if here.numel():
+        """Drop staged rows of these ids where present (a delta's removals, older rows)."""
+        if len(self.index) and ids_N.numel():
+            tier_N, slot_N = self._locate(ids_N)
+            here = (slot_N >= 0).nonzero().squeeze(1)
             self._detach(ids_N[here])
             for t, tier in enumerate(self.tiers):
                 tier.free(slot_N[here][tier_N[here] == t])

@@ -34,8 +34,8 @@ from genrec.data.files import atomic_write_json, atomic_write_text
 from genrec.data.loader import make_loader
 from genrec.data.prepare import load_manifest
 from genrec.models.build import (
-    build_model, config_fingerprint, dense_named_parameters, dense_state_dict, eval_loader, gathered, load_dense_state_dict,
-    load_item_corpus, load_optimizer_state_dict, optimizer_state_dict,
+    build_model, config_fingerprint, dense_named_parameters, dense_state_dict, eval_loader, gathered,
+    load_dense_state_dict, load_item_corpus, load_optimizer_state_dict, optimizer_state_dict,
 )
 from genrec.models.runs import (
     CHECKPOINTS, CONFIG_FILE, RUN_FORMAT, RUN_MANIFEST, CorruptCheckpoint, complete_steps, read_best,
