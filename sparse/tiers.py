@@ -2,11 +2,14 @@
 
 SSD engine choice. The SSD tier is a set of fixed-size slab files mapped with
 `torch.from_file(shared=True)`: a batch's rows are read and written with ordinary torch
-fancy indexing (one vectorized gather/scatter per slab touched), the page cache merges
-writes, and nothing new is installed. Measured on this machine (sparse/bench.py) it
-reads and writes millions of rows/s of dim 64-128 in the warm case; a key-value store
-such as sqlite or RocksDB would cost a Python call (or a batch API with serialization)
-per row. Crash safety does not come from the live slabs: they are a spill area that is
+fancy indexing or one native copy across slabs, the page cache merges writes, and
+nothing new is installed. Measured on this machine (sparse/bench.py) it reads and writes
+millions of rows/s of dim 64-128 warm; a key-value store such as sqlite or RocksDB would
+cost a Python call (or a batch API with serialization) per row. Cold, a row is a page
+fault: the slabs are advised for random access (one page read per row, not readahead)
+and large copies run on SSD_IO_THREADS threads to keep that many reads in flight (tens
+of thousands of rows/s here, `ssd_read_rows_per_s_cold`); a preadv / io_uring engine at a
+deeper queue is the next step. Crash safety does not come from the live slabs: they are a spill area that is
 recreated empty when a store opens (files of an earlier run that match `SLAB_FILE` are
 removed then), and durability comes from snapshots (snapshot.py),
 which are checksummed and published by an atomic manifest rename. A write-ahead log
