@@ -201,9 +201,8 @@ def save_snapshot(module, path: str, *, max_deltas: int = 0) -> list[str]:
     rank, world = _dist(module)
     known = [all(store.removals_known for store in module.stores.values())]
     if world > 1 and max_deltas > 0:  # a delta needs every rank's removals since the base
-        known = [None] * world
-        dist.all_gather_object(known, all(store.removals_known for store in module.stores.values()),
-                               group=module.group)
+        mine, known = known[0], [None] * world
+        dist.all_gather_object(known, mine, group=module.group)
     base = _delta_base(module, world, max_deltas) if rank == 0 and all(known) else None
     token = [f"{time.time_ns():x}{os.getpid():x}", base]
     if world > 1:  # every rank writes the same kind of link

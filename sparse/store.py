@@ -160,7 +160,7 @@ class TableStore:
         self.index.remove(ids_N, self._tier_view())
 
     def _remove(self, ids_N, tier_N, slot_N) -> None:
-        if self.track_removals and self.removed_since_snapshot is not None:
+        if self.removals_known:
             self.removed_since_snapshot.append(ids_N.detach().clone())
             self._removed_count += ids_N.numel()
             if self._removed_count > max(len(self.index), 1 << 20):
@@ -566,9 +566,7 @@ class TableStore:
         if len(self.index) and ids_N.numel():
             tier_N, slot_N = self._locate(ids_N)
             here = (slot_N >= 0).nonzero().squeeze(1)
-            self._detach(ids_N[here])
-            for t, tier in enumerate(self.tiers):
-                tier.free(slot_N[here][tier_N[here] == t])
+            self._remove(ids_N[here], tier_N[here], slot_N[here])  # a staging store logs no removals
 
     def adopt(self, staged: TableStore) -> None:
         """Replace this store's rows, counters and step by a staged store's; the policy's

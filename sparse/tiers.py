@@ -9,9 +9,9 @@ cost a Python call (or a batch API with serialization) per row. Cold, a row is a
 fault: the slabs are advised for random access (one page read per row, not readahead)
 and large copies run on SSD_IO_THREADS threads to keep that many reads in flight (tens
 of thousands of rows/s here, `ssd_read_rows_per_s_cold`); a preadv / io_uring engine at a
-deeper queue is the next step. Crash safety does not come from the live slabs: they are a spill area that is
-recreated empty when a store opens (files of an earlier run that match `SLAB_FILE` are
-removed then), and durability comes from snapshots (snapshot.py),
+deeper queue is the next step. Crash safety does not come from the live slabs: they are
+a spill area that is recreated empty when a store opens (files of an earlier run that
+match `SLAB_FILE` are removed then), and durability comes from snapshots (snapshot.py),
 which are checksummed and published by an atomic manifest rename. A write-ahead log
 on the live tier would double the write traffic of every spill for no gain, since an
 exact continuation needs the dense model's checkpoint from the same moment anyway.
@@ -137,8 +137,8 @@ class _SlabArray:
             _reserve(path, numel * self.dtype.itemsize)
             slab = torch.from_file(path, shared=True, size=numel, dtype=self.dtype).view(self.slab_rows, self.width)
             # Rows are read at random: left to the kernel, a fault on a cold row reads ahead
-            # (measured ~500 KB read per cold row of a 1 GB tier: 1.4K rows/s); at random a
-            # fault reads one page. Advice only.
+            # (measured ~500 KB read per cold row of a 1 GB tier); at random a fault reads
+            # one page (4.3 KB per row measured). Advice only.
             _c_library().madvise(slab.data_ptr(), numel * self.dtype.itemsize, _MADV_RANDOM)
             if self.unlink:
                 # The mapping keeps the inode: the file works as before but has no name, so

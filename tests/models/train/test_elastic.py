@@ -6,43 +6,28 @@ rendezvous) train exactly like 1 node x 2 processes."""
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 
 from genrec.models.config import JobConfig
-from genrec.models.config_loader import from_dict, to_dict
+from genrec.models.config_loader import to_dict
+from test_train import _free_port, _run_training, _spawn
 from train_helpers import tiny_config
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(rank: int, world_size: int, port: int, cfg_json: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    from genrec.models.train.trainer import run_training
-
-    run_training(from_dict(JobConfig, json.loads(cfg_json)))
-
-
 def _train(world_size: int, cfg: JobConfig) -> None:
-    mp.start_processes(_run, args=(world_size, _free_port(), json.dumps(to_dict(cfg))), nprocs=world_size,
-                       join=True, start_method="spawn")
+    _spawn(_run_training, world_size, json.dumps(to_dict(cfg)))
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _logged_steps(run_dir: Path) -> list[int]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [rec["step"] for rec in map(json.loads, lines) if "loss" in rec]
+    return [rec["step"] for rec in _records(run_dir) if "loss" in rec]
 
 
 def _rank_dirs(checkpoint: Path) -> list[str]:
@@ -75,13 +60,11 @@ def test_one_rank_checkpoint_resumes_on_four_ranks(prepared, tmp_path):
 
 
 def _losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [rec["loss"] for rec in map(json.loads, lines) if "loss" in rec]
+    return [rec["loss"] for rec in _records(run_dir) if "loss" in rec]
 
 
 def _validations(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {rec["step"]: rec["valid/ndcg@10"] for rec in map(json.loads, lines) if "valid/ndcg@10" in rec}
+    return {rec["step"]: rec["valid/ndcg@10"] for rec in _records(run_dir) if "valid/ndcg@10" in rec}
 
 
 def test_fsdp2_trains_like_ddp_and_their_checkpoints_resume_under_each_other(prepared, tmp_path):
