@@ -118,6 +118,8 @@ def _free_threads() -> int:
 
 
 def run(quick: bool) -> dict:
+    if os.environ.get("GENREC_BENCH_DEVICE", "cpu") == "cuda":
+        return run_cuda(quick)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(int(os.environ.get("GENREC_BENCH_THREADS", _free_threads())))
     try:
@@ -213,4 +215,68 @@ def _run(quick: bool) -> dict:
     c = 1024
     _ratio(out, "kv_cache_speedup_1024", [f * (c // 256) for f in runs[256]["full"]], runs[c]["cached"])
     _ratio(out, "kv_cache_speedup_vs_single_forward_1024", runs[c]["full"], runs[c]["cached"])
+    return out
+
+
+
+def run_cuda(quick: bool) -> dict:
+    """GENREC_BENCH_DEVICE=cuda (scripts/gpu_bench_dense.sh): HSTU through the Triton kernel
+    against the SDPA Transformer, fwd + bwd in bf16 autocast on one GPU, same D, heads and
+    layers, skewed jagged batches; plus the Triton kernel's largest deviation from the fp64
+    PyTorch reference at a small shape (forward and dq)."""
+    from . import triton_hstu
+    from .jagged import make_layout
+    from .kernels import HSTUAttentionParams, hstu_attention_reference
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("GENREC_BENCH_DEVICE=cuda: no CUDA device here")
+    if not triton_hstu.available():
+        raise RuntimeError('GENREC_BENCH_DEVICE=cuda needs Triton: pip install -e ".[gpu]"')
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    reps = 5 if quick else 9
+    out: dict = {"device": torch.cuda.get_device_name(dev), "precision": "bf16"}
+
+    def step(kind, n, batch):
+        tower = build_tower(_cfg(kind, n)).to(dev)
+        x, off, ts = (t.to(dev) for t in batch)
+        x.requires_grad_()
+
+        def fn():
+            with autocast("bf16", "cuda"):
+                y = tower(x, off, ts)
+            y.float().square().mean().backward()
+            torch.cuda.synchronize()
+        return fn
+
+    for n in [1024, 4096] + ([] if quick else [8192]):
+        batch = _skewed_batch(n, 8 * n, seed=n)
+        t = _side_by_side({"hstu": step("hstu", n, batch), "transformer": step("transformer", n, batch)}, reps)
+        T = batch[0].shape[0]
+        out[f"hstu_tokens_per_s_{n}"] = round(T / statistics.median(t["hstu"]))
+        out[f"transformer_tokens_per_s_{n}"] = round(T / statistics.median(t["transformer"]))
+        _ratio(out, f"hstu_vs_transformer_{n}", t["transformer"], t["hstu"])
+        _log(f"len {n}: {T} tokens, HSTU (Triton) {out[f'hstu_tokens_per_s_{n}']} tok/s, "
+             f"Transformer (SDPA) {out[f'transformer_tokens_per_s_{n}']} tok/s")
+
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([300, 1, 0, 77, 150])
+    off = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    T = int(off[-1])
+    ts = torch.cumsum(torch.randint(0, 10**5, (T,), generator=g), 0)
+    layout = make_layout(off.to(dev), ts.to(dev), None, 512)
+    p = HSTUAttentionParams(alpha=32 ** -0.5, normalizer="max_seq_len", max_seq_len=512, num_time_buckets=128,
+                            time_bucket_divisor=0.301, bucket_min_fill=0.75, block_elems=4_000_000)
+    q, k, v = (torch.randn(T, 2, 32, generator=g, dtype=torch.float64).to(dev).requires_grad_() for _ in range(3))
+    ts_w = (0.1 * torch.randn(129, generator=g, dtype=torch.float64)).to(dev)
+    pos_w = (0.1 * torch.randn(512, generator=g, dtype=torch.float64)).to(dev)
+    want = hstu_attention_reference(q, k, v, layout, ts_w, pos_w, p)
+    (dq_want,) = torch.autograd.grad(want.sum(), q)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    got = triton_hstu.hstu_attention_triton(q32, k32, v32, layout, ts_w.float(), pos_w.float(), p)
+    (dq_got,) = torch.autograd.grad(got.sum(), q32)
+    out["triton_fp32_max_rel_error_out"] = float((got.double() - want).abs().max() / want.abs().max())
+    out["triton_fp32_max_rel_error_dq"] = float((dq_got.double() - dq_want).abs().max() / dq_want.abs().max())
+    _log(f"Triton vs fp64 reference: out {out['triton_fp32_max_rel_error_out']:.2e}, "
+         f"dq {out['triton_fp32_max_rel_error_dq']:.2e} (relative to the largest value)")
     return out

@@ -76,9 +76,11 @@ class TowerConfig:
     """HSTU: the low-pass branch's window, in tokens."""
     ffn_multiplier: int = 4
     """Transformer: FFN hidden width = ffn_multiplier * embedding_dim."""
-    kernel: Literal["auto", "reference", "chunked", "sdpa"] = "auto"
+    kernel: Literal["auto", "reference", "chunked", "triton", "sdpa"] = "auto"
     """Attention implementation. "reference": plain padded PyTorch (the specification);
-    "chunked": HSTU length-bucketed, query-blocked kernel that never materializes [B, N, N];
+    "chunked": HSTU length-bucketed, query-blocked kernel that never materializes [B, N, N]
+    (on CUDA tensors with Triton installed it runs "triton"); "triton": HSTU Triton kernels
+    on the jagged tokens (CUDA; CPU only under TRITON_INTERPRET=1);
     "sdpa": Transformer length-bucketed scaled_dot_product_attention. "auto": the fast one."""
     attention_block_elems: int = 4_000_000
     """Chunked/bucketed kernels: upper bound on elements of one [rows, H, q_block, keys]
@@ -116,9 +118,9 @@ class TowerConfig:
         if self.time_bias_query not in ("own", "next"):
             raise ValueError(f'TowerConfig.time_bias_query must be "own" or "next", got {self.time_bias_query!r}')
         if self.kind == "hstu" and self.kernel == "sdpa":
-            raise ValueError('TowerConfig.kernel="sdpa" is a Transformer kernel; HSTU takes "chunked"')
-        if self.kind != "hstu" and self.kernel == "chunked":
-            raise ValueError(f'TowerConfig.kernel="chunked" is an HSTU kernel; kind {self.kind!r} takes "sdpa"')
+            raise ValueError('TowerConfig.kernel="sdpa" is a Transformer kernel; HSTU takes "chunked" or "triton"')
+        if self.kind != "hstu" and self.kernel in ("chunked", "triton"):
+            raise ValueError(f'TowerConfig.kernel="{self.kernel}" is an HSTU kernel; kind {self.kind!r} takes "sdpa"')
 
     @property
     def resolved_kernel(self) -> str:

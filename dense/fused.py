@@ -10,7 +10,6 @@ explicitly (same results, about a third of the speed), and says so once.
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import platform
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .bias import time_buckets
+from .bias import time_thresholds
 
 _lib: ctypes.CDLL | None | bool = False  # False: not tried yet
 
@@ -121,27 +120,6 @@ def time_index(ts_GN: torch.Tensor, num_buckets: int, divisor: float,
                      qts=query_ts_GN)
     library().hstu_time_index(ctypes.byref(args), out.data_ptr())
     return out
-
-
-@functools.lru_cache(maxsize=8)
-def time_thresholds(num_buckets: int, divisor: float) -> torch.Tensor:
-    """int64 [num_buckets + 2]: entry b is the smallest |dt| >= 1 whose bucket is >= b under
-    the reference formula (found by bisection with that very formula, so the C side agrees
-    with PyTorch bit for bit); entry 0 is 0, unreachable buckets and entry NB + 1 int64 max."""
-    target = torch.arange(1, num_buckets + 1)
-    lo = torch.ones(num_buckets, dtype=torch.long)            # bucket(lo) < target (or lo = 1)
-    hi = torch.full((num_buckets,), 2**62, dtype=torch.long)  # candidate answer
-    reachable = time_buckets(hi, num_buckets, divisor) >= target
-    for _ in range(64):
-        mid = (lo + hi) // 2
-        ok = time_buckets(mid, num_buckets, divisor) >= target
-        hi = torch.where(ok, mid, hi)
-        lo = torch.where(ok, lo, mid + 1)
-        if bool((lo >= hi).all()):
-            break
-    thr = torch.where(reachable, hi, torch.full_like(hi, 2**63 - 1))
-    # Sentinels so the C side can look at thr[b] and thr[b + 1] for every b in [0, NB].
-    return torch.cat([torch.zeros(1, dtype=torch.long), thr, torch.full((1,), 2**63 - 1)])
 
 
 def tile_forward(args: TileArgs, s: torch.Tensor, a: torch.Tensor) -> None:

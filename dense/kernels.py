@@ -23,6 +23,9 @@ TowerConfig.time_bias_query="next"), ts the keys' own `layout.timestamps_T`.
                                    the elementwise tile runs in csrc/hstu_tile.c (fused.py) for
                                    fp32/bf16 on CPU, else in PyTorch (float64, CUDA)
     ("transformer", "reference")   padded softmax attention, plain PyTorch
+    ("hstu", "triton")             Triton kernels on the jagged tokens (triton_hstu.py): CUDA, or
+                                   CPU under TRITON_INTERPRET=1; "chunked" on CUDA tensors runs it
+                                   when Triton is installed
     ("transformer", "sdpa")        length buckets + scaled_dot_product_attention
 """
 
@@ -36,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from . import fused as _fused
-from .bias import time_buckets
+from . import triton_hstu
+from .bias import time_buckets, time_thresholds
 from .jagged import JaggedLayout, LengthBucket
 
 
@@ -215,7 +219,7 @@ def _fused_state(q, k, v, ts_w, pos_w, bucket, p):
         ts=None if ts_w is None else bucket.timestamps_GN.contiguous(),
         qts=None if ts_w is None else _own_or(bucket.query_timestamps_GN, bucket.timestamps_GN),
         tidx=None if ts_w is None else _fused_time_index(bucket, p),
-        thr=_fused.time_thresholds(p.num_time_buckets, p.time_bucket_divisor),
+        thr=time_thresholds(p.num_time_buckets, p.time_bucket_divisor),
         ts_w=None if ts_w is None else ts_w.detach().float().contiguous(),
         pos_w=None if pos_w is None else pos_w.detach().float().contiguous(),
         pos=bucket.positions_GN.contiguous(), hist=bucket.history_lengths_G.contiguous())
@@ -330,6 +334,10 @@ def hstu_attention_chunked(q_THd, k_THd, v_THd, layout: JaggedLayout, ts_w, pos_
                            p: HSTUAttentionParams) -> torch.Tensor:
     if layout.num_tokens == 0:
         return v_THd.new_zeros(v_THd.shape)
+    if q_THd.is_cuda and triton_hstu.available() and q_THd.dtype != torch.float64:
+        # On CUDA the C tile does not apply; the PyTorch tile would sum bias gradients with
+        # index_add_ (atomics, not deterministic) and sync with the host per bucket.
+        return triton_hstu.hstu_attention_triton(q_THd, k_THd, v_THd, layout, ts_w, pos_w, p)
     dq = q_THd.shape[-1]
     qkv = torch.cat([q_THd, k_THd, v_THd], dim=-1)  # one gather for all three
     parts = []
@@ -384,6 +392,7 @@ def mha_sdpa(q_THd, k_THd, v_THd, layout: JaggedLayout, dropout_p: float,
 KERNELS: dict[tuple[str, str], Callable[..., torch.Tensor]] = {
     ("hstu", "reference"): hstu_attention_reference,
     ("hstu", "chunked"): hstu_attention_chunked,
+    ("hstu", "triton"): triton_hstu.hstu_attention_triton,
     ("transformer", "reference"): mha_reference,
     ("transformer", "sdpa"): mha_sdpa,
 }
@@ -409,7 +418,7 @@ def hstu_target_attention_fused(q_BHMd, k_BHMd, v_BHMd, cache_k_BHLd, cache_v_BH
     pos = torch.cat([torch.arange(L).expand(B, L), history_lengths_B[:, None].expand(B, M)], 1).contiguous()
     ts = torch.cat([cache_ts_BL, ts_BM], 1).contiguous()
     hist = history_lengths_B.contiguous()
-    thr = _fused.time_thresholds(p.num_time_buckets, p.time_bucket_divisor)
+    thr = time_thresholds(p.num_time_buckets, p.time_bucket_divisor)
     ts_w32 = None if ts_w is None else ts_w.detach().float().contiguous()
     pos_w32 = None if pos_w is None else pos_w.detach().float().contiguous()
     args = _fused.tile_args(G=B, H=H, bq=M, K=L + M, N=L + M, i0=L, P=p.max_seq_len,
