@@ -4,28 +4,28 @@ jagged rows of length 0, 1 and past several blocks, ranking candidates, dq != dv
 normalizer, fp32 and bf16; the bias gradients are the same on every run; the tower runs
 it end to end when asked for kernel="triton".
 
-Triton is the `[gpu]` extra, which the README's install (and CI) installs.
+Triton is the `[gpu]` extra, which the README's test install (and CI) installs; the
+interpreter is switched on by tests/conftest.py, before anything imports Triton.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import os
+import subprocess
+import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+import pytest
+import torch
 
-import ast  # noqa: E402
-import dataclasses  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from genrec.dense import TowerConfig, build_tower, triton_hstu
+from genrec.dense.jagged import make_layout
+from genrec.dense.kernels import HSTUAttentionParams, hstu_attention_reference
 
 pytest.importorskip("triton", reason='Triton is the [gpu] extra: pip install -e ".[test,gpu]"')
-
-from genrec.dense import TowerConfig, build_tower, triton_hstu  # noqa: E402
-from genrec.dense.jagged import make_layout  # noqa: E402
-from genrec.dense.kernels import HSTUAttentionParams, hstu_attention_reference  # noqa: E402
+# tests/conftest.py turns the interpreter on before anything imports Triton
+assert triton_hstu.interpreted(), "TRITON_INTERPRET=1 must be set before Triton is imported"
 
 LENGTHS = [5, 0, 1, 70, 3, 33]   # empty, length 1, past two 32-token blocks
 TARGETS = [1, 0, 0, 6, 3, 0]     # row 4: candidates only
