@@ -40,6 +40,7 @@ def _tile(q, k, pos_i, qts_i, offs_m, offs_n, L, hist, pos_j, ts_j, TSW, POSW, T
         s += tl.load(TSW + bkt, mask=vis, other=0.0)
     return s, vis, rel, bkt
 
+
 @triton.jit
 def _inv_n(offs_m, hist, inv_max, NORM: tl.constexpr):
     if NORM == 0:
@@ -49,10 +50,29 @@ def _inv_n(offs_m, hist, inv_max, NORM: tl.constexpr):
     else:
         return tl.zeros_like(offs_m.to(tl.float32)) + 1.0
 
+
 @triton.jit
 def _row(OFFS, HIST, b):
     start = tl.load(OFFS + b)
     return start, tl.load(OFFS + b + 1) - start, tl.load(HIST + b)
+
+
+@triton.jit
+def _block(X, rows, ok, h, H, D, r):
+    """Rows `rows` of head h of a jagged [T, H, D] tensor, [len(rows), len(r)], zero-padded."""
+    return tl.load(X + rows[:, None] * (H * D) + h * D + r[None, :], mask=ok[:, None] & (r[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _put(X, rows, ok, h, H, D, r, x):
+    tl.store(X + rows[:, None] * (H * D) + h * D + r[None, :], x.to(X.dtype.element_ty),
+             mask=ok[:, None] & (r[None, :] < D))
+
+
+@triton.jit
+def _tokens(T, rows, ok):
+    return tl.load(T + rows, mask=ok, other=0)
+
 
 @triton.jit
 def fwd(Q, K, V, O, OFFS, HIST, POS, TS, QTS, TSW, POSW, THR, H, DQ, DV, alpha, inv_div, inv_max,
@@ -64,30 +84,21 @@ def fwd(Q, K, V, O, OFFS, HIST, POS, TS, QTS, TSW, POSW, THR, H, DQ, DV, alpha, 
     if i0 < L:
         offs_m = i0 + tl.arange(0, BM)
         dq_r, dv_r = tl.arange(0, BDQ), tl.arange(0, BDV)
-        row_m = start + offs_m
-        q = tl.load(Q + row_m[:, None] * (H * DQ) + h * DQ + dq_r[None, :],
-                    mask=(offs_m[:, None] < L) & (dq_r[None, :] < DQ), other=0.0)
-        pos_i = tl.load(POS + row_m, mask=offs_m < L, other=0)
-        qts_i = tl.load(QTS + row_m, mask=offs_m < L, other=0)
+        rows_m, ok_m = start + offs_m, offs_m < L
+        q = _block(Q, rows_m, ok_m, h, H, DQ, dq_r)
+        pos_i, qts_i = _tokens(POS, rows_m, ok_m), _tokens(QTS, rows_m, ok_m)
         acc = tl.zeros((BM, BDV), dtype=tl.float32)
-        hi = tl.minimum(L, i0 + BM)
-        for j0 in range(0, hi, BN):
+        for j0 in range(0, tl.minimum(L, i0 + BM), BN):
             offs_n = j0 + tl.arange(0, BN)
-            row_n = start + offs_n
-            kv_mask = offs_n[:, None] < L
-            k = tl.load(K + row_n[:, None] * (H * DQ) + h * DQ + dq_r[None, :],
-                        mask=kv_mask & (dq_r[None, :] < DQ), other=0.0)
-            v = tl.load(V + row_n[:, None] * (H * DV) + h * DV + dv_r[None, :],
-                        mask=kv_mask & (dv_r[None, :] < DV), other=0.0)
-            pos_j = tl.load(POS + row_n, mask=offs_n < L, other=0)
-            ts_j = tl.load(TS + row_n, mask=offs_n < L, other=0)
-            s, vis, _, _ = _tile(q, k, pos_i, qts_i, offs_m, offs_n, L, hist, pos_j, ts_j, TSW, POSW, THR,
-                                 alpha, inv_div, P, NB, HAS_TS, HAS_POS, F32)
+            rows_n, ok_n = start + offs_n, offs_n < L
+            k, v = _block(K, rows_n, ok_n, h, H, DQ, dq_r), _block(V, rows_n, ok_n, h, H, DV, dv_r)
+            s, vis, _, _ = _tile(q, k, pos_i, qts_i, offs_m, offs_n, L, hist, _tokens(POS, rows_n, ok_n),
+                                 _tokens(TS, rows_n, ok_n), TSW, POSW, THR, alpha, inv_div, P, NB,
+                                 HAS_TS, HAS_POS, F32)
             a = tl.where(vis, s * tl.sigmoid(s), 0.0)
             acc += _dot(a.to(v.dtype), v, F32)
-        acc = acc * _inv_n(offs_m, hist, inv_max, NORM)[:, None]
-        tl.store(O + row_m[:, None] * (H * DV) + h * DV + dv_r[None, :], acc.to(O.dtype.element_ty),
-                 mask=(offs_m[:, None] < L) & (dv_r[None, :] < DV))
+        _put(O, rows_m, ok_m, h, H, DV, dv_r, acc * _inv_n(offs_m, hist, inv_max, NORM)[:, None])
+
 
 @triton.jit
 def bwd_kv(Q, K, V, DO, DK, DV_, OFFS, HIST, POS, TS, QTS, TSW, POSW, THR, H, DQ, DV, alpha, inv_div,
@@ -99,14 +110,9 @@ def bwd_kv(Q, K, V, DO, DK, DV_, OFFS, HIST, POS, TS, QTS, TSW, POSW, THR, H, DQ
     if j0 < L:
         offs_n = j0 + tl.arange(0, BN)
         dq_r, dv_r = tl.arange(0, BDQ), tl.arange(0, BDV)
-        row_n = start + offs_n
-        kv_mask = offs_n[:, None] < L
-        k = tl.load(K + row_n[:, None] * (H * DQ) + h * DQ + dq_r[None, :],
-                    mask=kv_mask & (dq_r[None, :] < DQ), other=0.0)
-        v = tl.load(V + row_n[:, None] * (H * DV) + h * DV + dv_r[None, :],
-                    mask=kv_mask & (dv_r[None, :] < DV), other=0.0)
-        pos_j = tl.load(POS + row_n, mask=offs_n < L, other=0)
-        ts_j = tl.load(TS + row_n, mask=offs_n < L, other=0)
+        rows_n, ok_n = start + offs_n, offs_n < L
+        k, v = _block(K, rows_n, ok_n, h, H, DQ, dq_r), _block(V, rows_n, ok_n, h, H, DV, dv_r)
+        pos_j, ts_j = _tokens(POS, rows_n, ok_n), _tokens(TS, rows_n, ok_n)
         dk = tl.zeros((BN, BDQ), dtype=tl.float32)
         dv = tl.zeros((BN, BDV), dtype=tl.float32)
         # Queries i >= j0 see these keys; keys that are all candidates only see themselves.
@@ -115,16 +121,10 @@ def bwd_kv(Q, K, V, DO, DK, DV_, OFFS, HIST, POS, TS, QTS, TSW, POSW, THR, H, DQ
             i_end = tl.minimum(L, j0 + BN)
         for i0 in range((j0 // BM) * BM, i_end, BM):
             offs_m = i0 + tl.arange(0, BM)
-            row_m = start + offs_m
-            q_mask = offs_m[:, None] < L
-            q = tl.load(Q + row_m[:, None] * (H * DQ) + h * DQ + dq_r[None, :],
-                        mask=q_mask & (dq_r[None, :] < DQ), other=0.0)
-            do = tl.load(DO + row_m[:, None] * (H * DV) + h * DV + dv_r[None, :],
-                         mask=q_mask & (dv_r[None, :] < DV), other=0.0)
-            pos_i = tl.load(POS + row_m, mask=offs_m < L, other=0)
-            qts_i = tl.load(QTS + row_m, mask=offs_m < L, other=0)
-            s, vis, _, _ = _tile(q, k, pos_i, qts_i, offs_m, offs_n, L, hist, pos_j, ts_j, TSW, POSW, THR,
-                                 alpha, inv_div, P, NB, HAS_TS, HAS_POS, F32)
+            rows_m, ok_m = start + offs_m, offs_m < L
+            q, do = _block(Q, rows_m, ok_m, h, H, DQ, dq_r), _block(DO, rows_m, ok_m, h, H, DV, dv_r)
+            s, vis, _, _ = _tile(q, k, _tokens(POS, rows_m, ok_m), _tokens(QTS, rows_m, ok_m), offs_m, offs_n, L,
+                                 hist, pos_j, ts_j, TSW, POSW, THR, alpha, inv_div, P, NB, HAS_TS, HAS_POS, F32)
             inv_n = _inv_n(offs_m, hist, inv_max, NORM)[:, None]
             sig = tl.sigmoid(s)
             a = tl.where(vis, s * sig * inv_n, 0.0)
@@ -132,11 +132,9 @@ def bwd_kv(Q, K, V, DO, DK, DV_, OFFS, HIST, POS, TS, QTS, TSW, POSW, THR, H, DQ
             da = _dot(do, tl.trans(v), F32).to(tl.float32) * inv_n
             ds = tl.where(vis, da * sig * (1.0 + s * (1.0 - sig)), 0.0)
             dk += _dot(tl.trans(ds.to(q.dtype)), q, F32)
-        out_mask = kv_mask
-        tl.store(DK + row_n[:, None] * (H * DQ) + h * DQ + dq_r[None, :], (dk * alpha).to(DK.dtype.element_ty),
-                 mask=out_mask & (dq_r[None, :] < DQ))
-        tl.store(DV_ + row_n[:, None] * (H * DV) + h * DV + dv_r[None, :], dv.to(DV_.dtype.element_ty),
-                 mask=out_mask & (dv_r[None, :] < DV))
+        _put(DK, rows_n, ok_n, h, H, DQ, dq_r, dk * alpha)
+        _put(DV_, rows_n, ok_n, h, H, DV, dv_r, dv)
+
 
 @triton.jit
 def bwd_q(Q, K, V, DO, DQ_, DTS, DPOS, OFFS, HIST, POS, TS, QTS, TSW, POSW, THR, H, DQ, DV, alpha,
@@ -149,45 +147,34 @@ def bwd_q(Q, K, V, DO, DQ_, DTS, DPOS, OFFS, HIST, POS, TS, QTS, TSW, POSW, THR,
     if i0 < L:
         offs_m = i0 + tl.arange(0, BM)
         dq_r, dv_r = tl.arange(0, BDQ), tl.arange(0, BDV)
-        row_m = start + offs_m
-        q_mask = offs_m[:, None] < L
-        q = tl.load(Q + row_m[:, None] * (H * DQ) + h * DQ + dq_r[None, :],
-                    mask=q_mask & (dq_r[None, :] < DQ), other=0.0)
-        do = tl.load(DO + row_m[:, None] * (H * DV) + h * DV + dv_r[None, :],
-                     mask=q_mask & (dv_r[None, :] < DV), other=0.0)
-        pos_i = tl.load(POS + row_m, mask=offs_m < L, other=0)
-        qts_i = tl.load(QTS + row_m, mask=offs_m < L, other=0)
+        rows_m, ok_m = start + offs_m, offs_m < L
+        q, do = _block(Q, rows_m, ok_m, h, H, DQ, dq_r), _block(DO, rows_m, ok_m, h, H, DV, dv_r)
+        pos_i, qts_i = _tokens(POS, rows_m, ok_m), _tokens(QTS, rows_m, ok_m)
         inv_n = _inv_n(offs_m, hist, inv_max, NORM)[:, None]
         dq = tl.zeros((BM, BDQ), dtype=tl.float32)
-        hi = tl.minimum(L, i0 + BM)
-        for j0 in range(0, hi, BN):
+        for j0 in range(0, tl.minimum(L, i0 + BM), BN):
             offs_n = j0 + tl.arange(0, BN)
-            row_n = start + offs_n
-            kv_mask = offs_n[:, None] < L
-            k = tl.load(K + row_n[:, None] * (H * DQ) + h * DQ + dq_r[None, :],
-                        mask=kv_mask & (dq_r[None, :] < DQ), other=0.0)
-            v = tl.load(V + row_n[:, None] * (H * DV) + h * DV + dv_r[None, :],
-                        mask=kv_mask & (dv_r[None, :] < DV), other=0.0)
-            pos_j = tl.load(POS + row_n, mask=offs_n < L, other=0)
-            ts_j = tl.load(TS + row_n, mask=offs_n < L, other=0)
-            s, vis, rel, bkt = _tile(q, k, pos_i, qts_i, offs_m, offs_n, L, hist, pos_j, ts_j, TSW, POSW,
-                                     THR, alpha, inv_div, P, NB, HAS_TS, HAS_POS, F32)
+            rows_n, ok_n = start + offs_n, offs_n < L
+            k, v = _block(K, rows_n, ok_n, h, H, DQ, dq_r), _block(V, rows_n, ok_n, h, H, DV, dv_r)
+            s, vis, rel, bkt = _tile(q, k, pos_i, qts_i, offs_m, offs_n, L, hist, _tokens(POS, rows_n, ok_n),
+                                     _tokens(TS, rows_n, ok_n), TSW, POSW, THR, alpha, inv_div, P, NB,
+                                     HAS_TS, HAS_POS, F32)
             sig = tl.sigmoid(s)
             da = _dot(do, tl.trans(v), F32).to(tl.float32) * inv_n
             ds = tl.where(vis, da * sig * (1.0 + s * (1.0 - sig)), 0.0)
             dq += _dot(ds.to(k.dtype), k, F32)
             if HAS_POS:  # the bins present in this tile, each summed over the tile
-                lo = tl.min(tl.where(vis, rel, P))
-                top = tl.max(tl.where(vis, rel, -1))
-                for r in range(lo, top + 1):
-                    part = tl.sum(tl.where(rel == r, ds, 0.0))
-                    tl.store(DPOS + prog * P + r, tl.load(DPOS + prog * P + r) + part)
+                _bin_sums(DPOS + prog * P, rel, ds, vis, P)
             if HAS_TS:
-                lo = tl.min(tl.where(vis, bkt, NB + 1))
-                top = tl.max(tl.where(vis, bkt, -1))
-                for r in range(lo, top + 1):
-                    part = tl.sum(tl.where(bkt == r, ds, 0.0))
-                    w = DTS + prog * (NB + 1) + r
-                    tl.store(w, tl.load(w) + part)
-        tl.store(DQ_ + row_m[:, None] * (H * DQ) + h * DQ + dq_r[None, :], (dq * alpha).to(DQ_.dtype.element_ty),
-                 mask=q_mask & (dq_r[None, :] < DQ))
+                _bin_sums(DTS + prog * (NB + 1), bkt, ds, vis, NB + 1)
+        _put(DQ_, rows_m, ok_m, h, H, DQ, dq_r, dq * alpha)
+
+
+@triton.jit
+def _bin_sums(OUT, idx, ds, vis, nbins):
+    """OUT[r] += sum of ds over the tile's pairs in bin r, for the bins the visible pairs use
+    (OUT is this program's own row: a plain read-modify-write, no atomics)."""
+    lo = tl.min(tl.where(vis, idx, nbins))
+    top = tl.max(tl.where(vis, idx, -1))
+    for r in range(lo, top + 1):
+        tl.store(OUT + r, tl.load(OUT + r) + tl.sum(tl.where(idx == r, ds, 0.0)))
