@@ -89,6 +89,15 @@ def _ratio(out: dict, key: str, numer: list[float], denom: list[float]) -> None:
     out[key], out[key + "_spread"] = spread["median"], spread
 
 
+def _hstu_vs_transformer(out: dict, n: int, num_tokens: int, t: dict) -> None:
+    """Tokens/s of each side and their ratio at row length n, from `_side_by_side` times."""
+    for side in ("hstu", "transformer"):
+        out[f"{side}_tokens_per_s_{n}"] = round(num_tokens / statistics.median(t[side]))
+    _ratio(out, f"hstu_vs_transformer_{n}", t["transformer"], t["hstu"])
+    _log(f"len {n}: {num_tokens} tokens, HSTU {out[f'hstu_tokens_per_s_{n}']} tok/s, "
+         f"Transformer {out[f'transformer_tokens_per_s_{n}']} tok/s")
+
+
 def _activation_bytes(fn) -> int:
     seen: dict[int, int] = {}
 
@@ -140,12 +149,7 @@ def _run(quick: bool) -> dict:
         batch = _skewed_batch(n, tokens, seed=n)
         t = _side_by_side({"hstu": _step_fn(_cfg("hstu", n), batch),
                            "transformer": _step_fn(_cfg("transformer", n), batch)}, reps)
-        T = batch[0].shape[0]
-        out[f"hstu_tokens_per_s_{n}"] = round(T / statistics.median(t["hstu"]))
-        out[f"transformer_tokens_per_s_{n}"] = round(T / statistics.median(t["transformer"]))
-        _ratio(out, f"hstu_vs_transformer_{n}", t["transformer"], t["hstu"])
-        _log(f"len {n}: {T} tokens, HSTU {out[f'hstu_tokens_per_s_{n}']} tok/s, "
-             f"Transformer {out[f'transformer_tokens_per_s_{n}']} tok/s")
+        _hstu_vs_transformer(out, n, batch[0].shape[0], t)
 
     # Jagged (length buckets) vs padded (one bucket padded to the longest row), mean = max/4.
     n = 1024
@@ -252,12 +256,7 @@ def run_cuda(quick: bool) -> dict:
     for n in [1024, 4096] + ([] if quick else [8192]):
         batch = _skewed_batch(n, 8 * n, seed=n)
         t = _side_by_side({"hstu": step("hstu", n, batch), "transformer": step("transformer", n, batch)}, reps)
-        T = batch[0].shape[0]
-        out[f"hstu_tokens_per_s_{n}"] = round(T / statistics.median(t["hstu"]))
-        out[f"transformer_tokens_per_s_{n}"] = round(T / statistics.median(t["transformer"]))
-        _ratio(out, f"hstu_vs_transformer_{n}", t["transformer"], t["hstu"])
-        _log(f"len {n}: {T} tokens, HSTU (Triton) {out[f'hstu_tokens_per_s_{n}']} tok/s, "
-             f"Transformer (SDPA) {out[f'transformer_tokens_per_s_{n}']} tok/s")
+        _hstu_vs_transformer(out, n, batch[0].shape[0], t)
 
     g = torch.Generator().manual_seed(1)
     lengths = torch.tensor([300, 1, 0, 77, 150])
