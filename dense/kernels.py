@@ -21,11 +21,12 @@ TowerConfig.time_bias_query="next"), ts the keys' own `layout.timestamps_T`.
     ("hstu", "reference")          padded [B, H, N, N], plain PyTorch: the specification
     ("hstu", "chunked")            length buckets x query blocks, tiles recomputed in backward;
                                    the elementwise tile runs in csrc/hstu_tile.c (fused.py) for
-                                   fp32/bf16 on CPU, else in PyTorch (float64, CUDA)
-    ("transformer", "reference")   padded softmax attention, plain PyTorch
+                                   fp32/bf16 on CPU, else in PyTorch (float64; CUDA without
+                                   Triton)
     ("hstu", "triton")             Triton kernels on the jagged tokens (triton_hstu.py): CUDA, or
                                    CPU under TRITON_INTERPRET=1; "chunked" on CUDA tensors runs it
                                    when Triton is installed
+    ("transformer", "reference")   padded softmax attention, plain PyTorch
     ("transformer", "sdpa")        length buckets + scaled_dot_product_attention
 """
 
