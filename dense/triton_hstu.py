@@ -90,46 +90,39 @@ def _blocks(dq: int, dv: int) -> dict:
 
 
 class _HSTUTritonFn(torch.autograd.Function):
+    """Rows with at least one token (hstu_attention_triton returns early on an empty batch)."""
+
     @staticmethod
     def forward(ctx, q, k, v, ts_w, pos_w, layout: JaggedLayout, p):
         triton, fwd, _, _ = _kernels()
-        T, H, DQ = q.shape
-        DV = v.shape[-1]
-        dev = q.device
-        common = _common(layout, ts_w, pos_w, p, dev)
-        blocks = _blocks(DQ, DV)
+        H, DQ, DV = q.shape[1], q.shape[2], v.shape[2]
+        # The arguments on the device and the block sizes, made once and kept for backward.
+        args, blocks = _common(layout, ts_w, pos_w, p, q.device), _blocks(DQ, DV)
         out = torch.empty_like(v)
-        B = layout.batch_size
-        grid = (triton.cdiv(max(layout.max_len, 1), blocks["BM"]), B, H)
-        if B and layout.max_len:
-            fwd[grid](q, k, v, out, *common["tensors"], H, DQ, DV, *common["scalars"], **common["flags"], **blocks)
+        grid = (triton.cdiv(layout.max_len, blocks["BM"]), layout.batch_size, H)
+        fwd[grid](q, k, v, out, *args["tensors"], H, DQ, DV, *args["scalars"], **args["flags"], **blocks)
         ctx.save_for_backward(q, k, v, ts_w, pos_w)
-        ctx.layout, ctx.p = layout, p
+        ctx.layout, ctx.p, ctx.args, ctx.blocks = layout, p, args, blocks
         return out
 
     @staticmethod
     def backward(ctx, dout):
         triton, _, bwd_kv, bwd_q = _kernels()
         q, k, v, ts_w, pos_w = ctx.saved_tensors
-        layout, p = ctx.layout, ctx.p
-        T, H, DQ = q.shape
-        DV = v.shape[-1]
-        dev = q.device
+        layout, p, args, blocks = ctx.layout, ctx.p, ctx.args, ctx.blocks
+        H, DQ, DV = q.shape[1], q.shape[2], v.shape[2]
+        B, dev = layout.batch_size, q.device
         dout = dout.to(v.dtype).contiguous()
-        common = _common(layout, ts_w, pos_w, p, dev)
-        blocks = _blocks(DQ, DV)
-        B = layout.batch_size
-        nm = triton.cdiv(max(layout.max_len, 1), blocks["BM"])
-        nn_ = triton.cdiv(max(layout.max_len, 1), blocks["BN"])
+        nm = triton.cdiv(layout.max_len, blocks["BM"])
+        nn_ = triton.cdiv(layout.max_len, blocks["BN"])
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         programs = B * H * nm
         d_ts = torch.zeros(programs if ts_w is not None else 1, p.num_time_buckets + 1, device=dev)
         d_pos = torch.zeros(programs if pos_w is not None else 1, p.max_seq_len, device=dev)
-        if B and layout.max_len:
-            bwd_kv[(nn_, B, H)](q, k, v, dout, dk, dv, *common["tensors"], H, DQ, DV, *common["scalars"],
-                                **common["flags"], **blocks)
-            bwd_q[(nm, B, H)](q, k, v, dout, dq, d_ts, d_pos, *common["tensors"], H, DQ, DV, *common["scalars"],
-                              nm, **common["flags"], **blocks)
+        bwd_kv[(nn_, B, H)](q, k, v, dout, dk, dv, *args["tensors"], H, DQ, DV, *args["scalars"],
+                            **args["flags"], **blocks)
+        bwd_q[(nm, B, H)](q, k, v, dout, dq, d_ts, d_pos, *args["tensors"], H, DQ, DV, *args["scalars"],
+                          nm, **args["flags"], **blocks)
         g_ts = None if ts_w is None else d_ts.sum(0).to(ts_w.dtype)
         g_pos = None if pos_w is None else d_pos.sum(0).to(pos_w.dtype)
         return dq, dk, dv, g_ts, g_pos, None, None
