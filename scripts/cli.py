@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="storage of the embedding rows and the item index")
     p.add_argument("--data", help="prepared data directory (default: the path the run trained on)")
     p.add_argument("--model-version", help="version the artifact reports (default: RUN-STEP-DTYPE)")
+    p.add_argument("--retrieval-index", choices=["auto", "exact", "ivf"], default="auto",
+                   help="also build an approximate (IVF) retrieval index; auto: above 2M items")
 
     p = sub.add_parser("eval", help="offline evaluation report")
     p.add_argument("--checkpoint", required=True, help="checkpoint directory or exported artifact")

@@ -57,6 +57,7 @@ from safetensors.torch import load_file, save_file
 
 from genrec.data.files import claim_output_dir, publish_dir, sha256_file, staging_dir
 from genrec.models.ids import sorted_positions
+from genrec.models.serving import ann as ann_lib
 from genrec.models.model import retrieval_vectors
 
 FORMAT = "genrec.artifact/1"
@@ -258,6 +259,8 @@ def export_artifact(
     item_features: dict[str, torch.Tensor] | None = None,
     export_program: bool = True,
     overwrite: bool = False,
+    retrieval_index: str = "auto",
+    ann_recall_target: float = 0.95,
 ) -> Path:
     """Write the serving artifact of a trained `GenerativeRecommender` to `out_dir`.
 
@@ -266,11 +269,15 @@ def export_artifact(
     advertiser_id) of every item, aligned with `item_ids`; required when such features exist,
     because a retrieved item's tokens need them. export_program=False skips the
     `torch.export` trace (tests that do not need it; the manifest then says so).
-    The directory is written under a temporary name and renamed into place.
+    retrieval_index: "exact" (the item index only), "ivf" (also the approximate index of
+    models/serving/ann.py, its nprobe calibrated to `ann_recall_target` recall@500) or
+    "auto" (ivf above ann.EXACT_MAX_ITEMS items). The directory is written under a temporary name and renamed into place.
     """
     out = claim_output_dir(out_dir, overwrite=overwrite, manifest=MANIFEST, format=FORMAT)
     if dtype not in ("fp32", "fp16", "int8"):
         raise ValueError(f"export dtype must be one of 'fp32', 'fp16', 'int8', got {dtype!r}")
+    if retrieval_index not in ("auto", "exact", "ivf"):
+        raise ValueError(f"export retrieval_index must be 'auto', 'exact' or 'ivf', got {retrieval_index!r}")
     spec = model.features
     side_features = [f for f in model.candidate_features if f != spec.item]
     item_features = dict(item_features or {})
@@ -323,6 +330,9 @@ def export_artifact(
         for f in side_features:
             index[f"feature.{f}"] = torch.as_tensor(item_features[f]).long().flatten()[order].contiguous()
         save_file(index, str(tmp / ITEM_INDEX_FILE))
+        ann = None
+        if retrieval_index == "ivf" or (retrieval_index == "auto" and item_ids.numel() > ann_lib.EXACT_MAX_ITEMS):
+            ann = ann_lib.build_ivf(emb_ND, tmp / ann_lib.ANN_FILE, recall_target=ann_recall_target)
         program = _export_program(model.tower, model.dim, tmp / PROGRAM_FILE) if export_program else None
         if was_training:
             model.train()
@@ -346,7 +356,7 @@ def export_artifact(
             "model": dataclasses.asdict(model.cfg),
             "tower": dataclasses.asdict(tower_cfg),
             "tables": tables_meta,
-            "item_index": {"num_items": int(item_ids.numel()), "side_features": side_features},
+            "item_index": {"num_items": int(item_ids.numel()), "side_features": side_features, "ann": ann},
             "program": program,
             "job_config": job_config_dict,
             "libraries": _library_versions(),

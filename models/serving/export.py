@@ -19,13 +19,14 @@ from genrec.models.serving.artifact import export_artifact, item_features_from_e
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
                       version: str | None = None, data_dir: str | Path | None = None,
-                      overwrite: bool = False) -> Path:
+                      overwrite: bool = False, retrieval_index: str = "auto") -> Path:
     """`genrec export`: a checkpoint -> a serving artifact (see models/serving/artifact.py).
 
     The item index is the training split's item list; each item's side features (advertiser,
     campaign, ...) are taken from its last training event. data_dir: the prepared data
     directory (default: the path in the run's config, which may not exist on this machine).
     version: default RUN-STEP-DTYPE, so the fp32 and int8 artifacts of one checkpoint differ.
+    retrieval_index: "auto", "exact" or "ivf" (see export_artifact).
     """
     step_dir, run_dir = resolve_checkpoint(checkpoint)
     if data_dir is None:
@@ -51,5 +52,5 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
     version = version or f"{run_dir.name}-{step_dir.name}-{dtype}"
     return export_artifact(
         model, to_dict(cfg), out_dir, dtype=dtype, item_ids=model.item_corpus, version=version,
-        item_features=item_features, overwrite=overwrite,
+        item_features=item_features, overwrite=overwrite, retrieval_index=retrieval_index,
     )

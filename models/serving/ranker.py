@@ -11,7 +11,8 @@ One call, four steps (`rank_batch` does them for several requests at once):
 
 1. Encode each history once with the dense tower, keeping each layer's keys / values.
 2. Retrieve the top K items by inner product of the last history state with the item index
-   (both L2-normalized under `model.similarity = "cosine"`, raw under "dot"): exact, a matmul + top-k per block of index rows, merged.
+   (both L2-normalized under `model.similarity = "cosine"`, raw under "dot"): exact, a matmul + top-k per block of index rows, merged;
+   or, for an artifact exported with an approximate index, an IVF search (models/serving/ann.py).
 3. Rank those K as candidates appended after the history under the target-aware mask, in
    micro-batches of `micro_batch` candidates that reuse the cached history (M-FALCON):
    each micro-batch costs O(history) per layer instead of a full re-encode. Per-task
@@ -47,6 +48,7 @@ from torch.profiler import record_function
 from genrec.data.config import FeatureSpec
 from genrec.models.ids import sorted_positions
 from genrec.models.config_loader import from_dict
+from genrec.models.serving.ann import ANN_FILE, IVFRetriever
 from genrec.models.serving.artifact import (
     DENSE_FILE, MANIFEST, ArtifactContents, ServingTable, load_artifact_contents,
 )
@@ -74,6 +76,10 @@ class ServingConfig:
     """Item-index rows per matmul + top-k block (bounds the score buffer)."""
     advertiser_feature: str = "advertiser_id"
     """Item side feature that `allowed_advertisers` filters on."""
+    exact_retrieval: bool = False
+    """Search the exact item index even when the artifact has an approximate one (recall checks)."""
+    ann_nprobe: int | None = None
+    """Lists the approximate index scans per query; None: the nprobe calibrated at export."""
 
 
 @dataclass(kw_only=True)
@@ -161,6 +167,13 @@ class Ranker:
         self.item_scale_N = contents.item_scale_N
         self._int8_blocks = self._pack_int8_index() if self.item_scale_N is not None else None
         self.item_side = contents.item_side_features
+        ann = m.get("item_index", {}).get("ann")
+        self.ann = None
+        if ann is not None and not self.cfg.exact_retrieval:
+            if ann.get("file") != ANN_FILE or ANN_FILE not in m["files"] or "nprobe" not in ann:
+                raise ValueError(f"{where}: 'item_index.ann' must name the listed file {ANN_FILE} and its nprobe")
+            self.ann = IVFRetriever(contents.path / ANN_FILE, ann, int(self.item_ids_N.numel()),
+                                    int(self.item_rows_ND.shape[1]), self.cfg.ann_nprobe)
         self.side_features = [f for f in self.model.candidate_features if f != features.item]
         max_seq_len = int(m["tower"]["max_seq_len"])
         self.max_k = self.cfg.max_k
@@ -319,7 +332,10 @@ class Ranker:
     def retrieve(self, user_BD: torch.Tensor, k: int, masks: list[dict[str, torch.Tensor]]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 2: exact top-k inner products over the item index, block by block.
-        Returns (scores [B, k'], item-index positions [B, k']); filtered-out items score -inf."""
+        Returns (scores [B, k'], item-index positions [B, k']); filtered-out items score -inf.
+        An artifact with an approximate index searches that instead (models/serving/ann.py)."""
+        if self.ann is not None:
+            return self.ann.search(user_BD, k, masks)
         n = self.item_ids_N.numel()
         B = user_BD.shape[0]
         best_s = user_BD.new_empty((B, 0))

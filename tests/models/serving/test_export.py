@@ -57,4 +57,5 @@ def test_export_flags_reach_export_checkpoint(monkeypatch):
     monkeypatch.setattr(export_module, "export_checkpoint", lambda ckpt, out, **kw: seen.update(kw, ckpt=ckpt) or out)
     assert main(["export", "--checkpoint", "run", "--out", "art", "--data", "d", "--model-version", "release-7",
                  "--dtype", "int8"]) == 0
-    assert seen == {"ckpt": "run", "dtype": "int8", "version": "release-7", "data_dir": "d", "overwrite": False}
+    assert seen == {"ckpt": "run", "dtype": "int8", "version": "release-7", "data_dir": "d", "overwrite": False,
+                    "retrieval_index": "auto"}
