@@ -160,20 +160,27 @@ class Ranker:
             for f in meta["features"]:
                 self.table_of[f] = contents.tables[name]
         self.item_ids_N = contents.item_ids_N
-        # fp16 index rows are widened once here: CPU matmuls are no faster in fp16, and the
-        # per-request conversion would cost more than the matmul itself.
-        self.item_rows_ND = (contents.item_rows_ND.float() if contents.item_rows_ND.dtype == torch.float16
-                             else contents.item_rows_ND)
-        self.item_scale_N = contents.item_scale_N
-        self._int8_blocks = self._pack_int8_index() if self.item_scale_N is not None else None
         self.item_side = contents.item_side_features
+        self.item_scale_N = contents.item_scale_N
         ann = m.get("item_index", {}).get("ann")
         self.ann = None
         if ann is not None and not self.cfg.exact_retrieval:
             if ann.get("file") != ANN_FILE or ANN_FILE not in m["files"] or "nprobe" not in ann:
                 raise ValueError(f"{where}: 'item_index.ann' must name the listed file {ANN_FILE} and its nprobe")
             self.ann = IVFRetriever(contents.path / ANN_FILE, ann, int(self.item_ids_N.numel()),
-                                    int(self.item_rows_ND.shape[1]), self.cfg.ann_nprobe)
+                                    int(contents.item_rows_ND.shape[1]), self.cfg.ann_nprobe)
+        # Tables and the item index stay memory-mapped (safetensors maps the files; a lookup
+        # pages in the rows it reads). The exact index is scanned whole by every request, so
+        # it is prepared in memory, unless the approximate index answers instead: fp16 rows
+        # widened once (CPU matmuls are no faster in fp16, and a per-request conversion
+        # would cost more than the matmul), int8 rows packed for FBGEMM's GEMM.
+        self.item_rows_ND = contents.item_rows_ND
+        self._int8_blocks = None
+        if self.ann is None:
+            if self.item_rows_ND.dtype == torch.float16:
+                self.item_rows_ND = self.item_rows_ND.float()
+            if self.item_scale_N is not None:
+                self._int8_blocks = self._pack_int8_index()
         self.side_features = [f for f in self.model.candidate_features if f != features.item]
         max_seq_len = int(m["tower"]["max_seq_len"])
         self.max_k = self.cfg.max_k
