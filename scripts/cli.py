@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-version", help="version the artifact reports (default: RUN-STEP-DTYPE)")
     p.add_argument("--retrieval-index", choices=["auto", "exact", "ivf"], default="auto",
                    help="also build an approximate (IVF) retrieval index; auto: above 2M items")
+    p.add_argument("--delta-since", help="a base artifact: write only the rows changed since it (apply-delta)")
 
     p = sub.add_parser("eval", help="offline evaluation report")
     p.add_argument("--checkpoint", required=True, help="checkpoint directory or exported artifact")
@@ -89,8 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("--micro-batch", int, "candidates scored at once against a cached history (default 128)"),
         ("--retrieval-block-rows", int, "item-index rows per retrieval block (default 65536)"),
         ("--advertiser-feature", str, "item feature that allowed_advertisers filters on (default advertiser_id)"),
+        ("--ann-nprobe", int, "lists an approximate index scans per query (default: calibrated at export)"),
     ):
         p.add_argument(flag, type=kind, help=text)
+    p.add_argument("--exact-retrieval", action="store_const", const=True, help="ignore an approximate index")
     p.add_argument("--reload-token-file", help="file holding the /admin/reload bearer token (else "
                                                "$GENREC_RELOAD_TOKEN); without a token, no reload endpoint")
     p.add_argument("--reload-dir", dest="reload_dirs", action="append", default=[], metavar="DIR",

@@ -75,7 +75,8 @@ def export(args: argparse.Namespace) -> int:
     from genrec.models.serving.export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, version=args.model_version,
-                            data_dir=args.data, overwrite=args.overwrite, retrieval_index=args.retrieval_index)
+                            data_dir=args.data, overwrite=args.overwrite, retrieval_index=args.retrieval_index,
+                            delta_since=args.delta_since)
     print(f"wrote artifact {out}")
     return 0
 

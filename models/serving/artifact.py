@@ -104,6 +104,18 @@ def dequantize_rows(rows_ND: torch.Tensor, scale_bias_N2: torch.Tensor | None) -
 
 
 @dataclass
+class TablePatch:
+    """Rows a live delta changed (models/serving/delta.py), consulted before the table's own."""
+
+    ids_N: torch.Tensor
+    """int64 [P], strictly increasing."""
+    live_N: torch.Tensor
+    """bool [P]: False for a row the delta removed (it reads the default row)."""
+    rows_ND: torch.Tensor
+    scale_bias_N2: torch.Tensor | None = None
+
+
+@dataclass
 class ServingTable:
     """One embedding table held for lookup: rows that exist, found by searchsorted."""
 
@@ -113,6 +125,8 @@ class ServingTable:
     """float32 / float16 / uint8 [N, D]."""
     scale_bias_N2: torch.Tensor | None
     """float32 [N, 2] for int8 rows, else None."""
+    patch: TablePatch | None = None
+    """Rows changed by live deltas since the artifact was loaded."""
 
     @property
     def dim(self) -> int:
@@ -126,11 +140,21 @@ class ServingTable:
         """float32 [len(ids), D]; ids never seen in training read the default row (zeros)."""
         pos, found = self.positions(ids.long())
         sb = None if self.scale_bias_N2 is None else self.scale_bias_N2[pos]
-        rows = dequantize_rows(self.rows_ND[pos], sb)
-        return rows * found.unsqueeze(1)
+        rows = dequantize_rows(self.rows_ND[pos], sb) * found.unsqueeze(1)
+        if self.patch is not None:
+            p = self.patch
+            ppos, pfound = sorted_positions(p.ids_N, ids.long())
+            hit = pfound.nonzero().squeeze(1)
+            psb = None if p.scale_bias_N2 is None else p.scale_bias_N2[ppos[hit]]
+            rows[hit] = dequantize_rows(p.rows_ND[ppos[hit]], psb) * p.live_N[ppos[hit]].unsqueeze(1)
+        return rows
 
     def nbytes(self) -> int:
         extra = 0 if self.scale_bias_N2 is None else self.scale_bias_N2.nbytes
+        if self.patch is not None:
+            p = self.patch
+            extra += p.ids_N.nbytes + p.live_N.nbytes + p.rows_ND.nbytes
+            extra += 0 if p.scale_bias_N2 is None else p.scale_bias_N2.nbytes
         return self.ids_N.nbytes + self.rows_ND.nbytes + extra
 
 
@@ -417,9 +441,6 @@ def read_manifest(artifact_dir: str | os.PathLike) -> dict:
     for name, meta in manifest["tables"].items():
         if not isinstance(meta, dict) or not isinstance(meta.get("features"), list):
             raise ValueError(f"{path}: manifest 'tables.{name}' needs a 'features' list")
-    for rel, info in manifest["files"].items():
-        if not (isinstance(info, dict) and isinstance(info.get("sha256"), str) and isinstance(info.get("bytes"), int)):
-            raise ValueError(f"{path}: manifest 'files.{rel}' needs 'sha256' (a string) and 'bytes' (an integer)")
     return manifest
 
 
@@ -427,8 +448,19 @@ def verify_artifact(artifact_dir: str | os.PathLike) -> dict:
     """Manifest after checking every listed file's size and sha256; names the bad file."""
     root = Path(artifact_dir)
     manifest = read_manifest(root)
+    verify_files(root, manifest)
+    return manifest
+
+
+def verify_files(root: Path, manifest: dict) -> None:
+    """Check each file of `manifest["files"]` under `root`: inside it, present, of the listed
+    size and sha256. Names the bad file."""
     real_root = root.resolve()
+    if not isinstance(manifest.get("files"), dict):
+        raise ValueError(f"{root / MANIFEST}: manifest 'files' must be a dict")
     for rel, info in manifest["files"].items():
+        if not (isinstance(info, dict) and isinstance(info.get("sha256"), str) and isinstance(info.get("bytes"), int)):
+            raise ValueError(f"{root / MANIFEST}: manifest 'files.{rel}' needs 'sha256' (a string) and 'bytes' (an integer)")
         path = root / rel
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise ValueError(f"{root / MANIFEST}: file entry {rel!r} points outside the artifact")
@@ -441,7 +473,6 @@ def verify_artifact(artifact_dir: str | os.PathLike) -> dict:
             raise ValueError(f"artifact file {rel}: {size} bytes, manifest says {info['bytes']} (truncated or replaced)")
         if sha256_file(path) != info["sha256"]:
             raise ValueError(f"artifact file {rel}: sha256 mismatch with the manifest (tampered or corrupted)")
-    return manifest
 
 
 def _load_safetensors(root: Path, rel: str, manifest: dict) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -228,12 +229,11 @@ def bench_ann(num_items: int, dim: int, k: int, num_queries: int, repeats: int =
             lat = [_timed_ms(lambda i=i: retriever.search(queries[i : i + 1], k, [{}])) for i in range(num_queries)]
             p50s.append(_percentile(lat, 50))
             p99s.append(_percentile(lat, 99))
-    spread = lambda xs: {"median": sorted(xs)[len(xs) // 2], "min": min(xs), "max": max(xs), "n": len(xs)}  # noqa: E731
     result = {"ann_num_items": num_items, "ann_kind": meta["kind"], "ann_nlist": meta["nlist"],
               "ann_nprobe": meta["nprobe"], "ann_build_s": build_s,
               f"recall_at_{k}_vs_exact": ann.recall_at_k(found, exact),
-              "ann_retrieve_p50_ms": spread(p50s)["median"], "ann_retrieve_p50_ms_spread": spread(p50s),
-              "ann_retrieve_p99_ms": spread(p99s)["median"], "ann_retrieve_p99_ms_spread": spread(p99s),
+              "ann_retrieve_p50_ms": _percentile(p50s, 50), "ann_retrieve_p50_ms_spread": _spread(p50s),
+              "ann_retrieve_p99_ms": _percentile(p99s, 50), "ann_retrieve_p99_ms_spread": _spread(p99s),
               "ann_index_bytes": index_bytes}
     return result
 
@@ -247,6 +247,27 @@ def drop_page_cache(root: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": _percentile(xs, 50), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def _delta_of_one_percent(model, item_ids, item_features, base: Path, tmp: Path) -> tuple[Path, int]:
+    """A live delta against `base` in which 1% of the item rows changed (the model is
+    changed in place)."""
+    from genrec.models.serving.artifact import export_artifact
+    from genrec.models.serving.delta import write_delta
+
+    table = model.embeddings.embeddings["t_item_id"].weight
+    rows = torch.randperm(table.shape[0], generator=torch.Generator().manual_seed(1))[: table.shape[0] // 100]
+    with torch.no_grad():
+        table[rows] += 0.01
+    new = export_artifact(model, {}, tmp / "fp32-next", dtype="fp32", item_ids=item_ids,
+                          item_features=item_features, version="bench-fp32-next", export_program=False)
+    delta = write_delta(new, base, tmp / "delta")
+    shutil.rmtree(new)
+    return delta, int(rows.numel())
 
 
 def _timed_ms(fn) -> float:
@@ -282,6 +303,7 @@ def run(quick: bool) -> dict:
                                           item_features=item_features, version=f"bench-{dtype}",
                                           export_program=False)
             _log(f"exported {dtype} artifact in {time.time() - t0:.1f}s")
+        delta, delta_rows = _delta_of_one_percent(model, item_ids, item_features, arts["fp32"], Path(tmp))
         del model
         scfg = ServingConfig(max_k=k, max_history=history)
         requests = [synthetic_request(num_items, history, k=k, n=n, seed=i, item_features=item_features)
@@ -375,6 +397,13 @@ def run(quick: bool) -> dict:
             cold.append(_timed_ms(lambda j=j: r32.rank(requests[j % len(requests)])))
         result["cold_tables_inprocess_p50_ms"] = _percentile(cold, 50)
         result["cold_tables_inprocess_p99_ms"] = _percentile(cold, 99)
+        from genrec.models.serving.delta import apply_delta
+        from genrec.models.serving.ranker import Ranker
+
+        applied = [_timed_ms(lambda: Ranker(apply_delta(r32.contents, delta), scfg)) / 1000 for _ in range(3)]
+        result.update(delta_apply_s=_percentile(applied, 50), delta_apply_s_spread=_spread(applied),
+                      delta_rows=delta_rows)
+        _log(f"applying a delta of {delta_rows} item rows: {result['delta_apply_s']:.2f} s")
         result["int8_vs_fp32_latency_ratio"] = lat_d["int8"] / lat_d["fp32"]
         result["int8_vs_fp32_memory_ratio"] = result["int8_memory_bytes"] / result["fp32_memory_bytes"]
         quality = quantization_quality(rankers["fp32"], rankers["int8"], requests)

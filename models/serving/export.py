@@ -7,6 +7,8 @@ artifact with `models/serving/artifact.py`.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pyarrow.dataset as ds
@@ -14,19 +16,24 @@ import torch
 
 from genrec.models.config_loader import to_dict
 from genrec.models.runs import CONFIG_FILE, load_trained, resolve_checkpoint
-from genrec.models.serving.artifact import export_artifact, item_features_from_events
+from genrec.data.files import claim_output_dir
+from genrec.models.serving.artifact import MANIFEST, export_artifact, item_features_from_events
+from genrec.models.serving.delta import DELTA_FORMAT, write_delta
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
                       version: str | None = None, data_dir: str | Path | None = None,
-                      overwrite: bool = False, retrieval_index: str = "auto") -> Path:
+                      overwrite: bool = False, retrieval_index: str = "auto",
+                      delta_since: str | Path | None = None) -> Path:
     """`genrec export`: a checkpoint -> a serving artifact (see models/serving/artifact.py).
 
     The item index is the training split's item list; each item's side features (advertiser,
     campaign, ...) are taken from its last training event. data_dir: the prepared data
     directory (default: the path in the run's config, which may not exist on this machine).
     version: default RUN-STEP-DTYPE, so the fp32 and int8 artifacts of one checkpoint differ.
-    retrieval_index: "auto", "exact" or "ivf" (see export_artifact).
+    retrieval_index: "auto", "exact" or "ivf" (see export_artifact). delta_since: a base
+    artifact: write only what changed since it (models/serving/delta.py), for
+    POST /admin/apply-delta.
     """
     step_dir, run_dir = resolve_checkpoint(checkpoint)
     if data_dir is None:
@@ -50,7 +57,17 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
             model.item_corpus, flat[cfg.data.features.item], {f: flat[f] for f in side}
         )
     version = version or f"{run_dir.name}-{step_dir.name}-{dtype}"
-    return export_artifact(
-        model, to_dict(cfg), out_dir, dtype=dtype, item_ids=model.item_corpus, version=version,
-        item_features=item_features, overwrite=overwrite, retrieval_index=retrieval_index,
-    )
+    if delta_since is None:
+        return export_artifact(
+            model, to_dict(cfg), out_dir, dtype=dtype, item_ids=model.item_corpus, version=version,
+            item_features=item_features, overwrite=overwrite, retrieval_index=retrieval_index,
+        )
+    claim_output_dir(out_dir, overwrite=overwrite, manifest=MANIFEST, format=DELTA_FORMAT)
+    # The full artifact is written aside (a folder of our own, removed after), then diffed.
+    full = Path(tempfile.mkdtemp(prefix=f".{Path(out_dir).name}.full-", dir=Path(out_dir).resolve().parent))
+    try:
+        export_artifact(model, to_dict(cfg), full / "artifact", dtype=dtype, item_ids=model.item_corpus,
+                        version=version, item_features=item_features, retrieval_index="exact")
+        return write_delta(full / "artifact", delta_since, out_dir, overwrite=overwrite)
+    finally:
+        shutil.rmtree(full, ignore_errors=True)

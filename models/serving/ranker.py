@@ -133,6 +133,7 @@ class Ranker:
         self.version: str = m["version"]
         self.dtype: str = m["dtype"]
         self.path = contents.path
+        self.contents = contents  # the base of a live delta (models/serving/delta.py)
         where = contents.path / MANIFEST
         features = _manifest_section(FeatureSpec, m, "features", where)
         model_cfg = _manifest_section(ModelConfig, m, "model", where)

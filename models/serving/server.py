@@ -17,6 +17,9 @@ Endpoints:
                         target is refused (403) without saying whether it exists. A bad
                         artifact is refused (400 naming the file) and the old model keeps
                         serving. Every outcome counts in `genrec_reloads_total{result}`.
+    POST /admin/apply-delta  the same protection, with {"delta": DIR} (from `genrec export
+                        --delta-since`): the serving model plus the delta's rows, swapped in
+                        whole; a delta made for another base version gets 409 naming both.
 
 Limits, checked before any work is done on a request:
     Host        only loopback names (127.0.0.1, localhost, [::1], any port) plus `allowed_hosts`
@@ -68,6 +71,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from genrec.models.serving.delta import DeltaConflict, apply_delta
 from genrec.models.serving.ranker import Ranker, RankRequest, RequestError, ServingConfig, load_artifact
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -79,7 +83,7 @@ PARSE_INLINE_BYTES = 64 << 10
 """Bodies up to this size are parsed on the event loop (well under a millisecond)."""
 MAX_NAMED_FEATURES = 64
 """Keys of `features` / `context` a request may send (models have a handful)."""
-ENDPOINTS = ("/v1/rank", "/healthz", "/metrics", "/admin/reload")
+ENDPOINTS = ("/v1/rank", "/healthz", "/metrics", "/admin/reload", "/admin/apply-delta")
 BUSY = {"detail": "server busy: the request queue is full, retry shortly", "field": None}
 RETRY_AFTER_S = "1"
 
@@ -122,6 +126,12 @@ class ReloadBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     artifact: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+
+
+class DeltaBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    delta: Annotated[str, Field(min_length=1, max_length=4096)]
 
 
 class BodyError(RequestError):
@@ -474,39 +484,52 @@ def create_app(artifact_dir: str | Path, *, serving_cfg: ServingConfig | None = 
             return target
         return None
 
-    async def reload(request: Request):
+    async def admin(request: Request, body_model: type[BaseModel], field: str, build, result_key: str):
+        """The shared admin path: token, body, target under a reload root, then `build` the new
+        Ranker beside the serving one (in a thread) and swap it in whole."""
         if not _bearer_matches(request.headers.get("authorization"), reload_token):
-            return refuse("unauthorized", 401, "reload needs 'Authorization: Bearer <token>'", "authorization",
+            return refuse("unauthorized", 401, f"{result_key} needs 'Authorization: Bearer <token>'", "authorization",
                           **{"WWW-Authenticate": "Bearer"})
         data = await request.body()
         try:
-            body = ReloadBody.model_validate_json(data or b"{}")
+            body = body_model.model_validate_json(data or b"{}")
         except ValidationError as e:
             err = BodyError(e)
-            return refuse("refused", 422, f"reload refused: {err}", err.field)
-        target = reload_target(body.artifact)
+            return refuse("refused", 422, f"{result_key} refused: {err}", err.field)
+        raw = getattr(body, field)
+        target = reload_target(raw)
         if target is None:
             # Same answer whether or not the path exists: the endpoint is no file-system probe.
-            return refuse("forbidden", 403, "reload refused: the artifact is not under a reload directory",
-                          "artifact")
+            return refuse("forbidden", 403, f"{result_key} refused: the {field} is not under a reload directory", field)
         async with reload_lock:
-            try:
-                new = await asyncio.to_thread(load_artifact, target, serving_cfg)
-            except Exception as e:  # noqa: BLE001 (whatever the artifact does to the loader, the old model serves on)
-                return refuse("refused", 400, f"reload refused: {type(e).__name__}: {e}", "artifact")
             old = batcher.ranker
+            try:
+                new = await asyncio.to_thread(build, old, target)
+            except DeltaConflict as e:
+                return refuse("conflict", 409, f"{result_key} refused: {e}", field)
+            except Exception as e:  # noqa: BLE001 (whatever the files do to the loader, the old model serves on)
+                return refuse("refused", 400, f"{result_key} refused: {type(e).__name__}: {e}", field)
             batcher.ranker = new
-            shown = body.artifact or state["artifact"]
-            state.update(artifact=shown, real=target)
+            if field == "artifact":
+                state.update(artifact=raw or state["artifact"], real=target)
             if (old.version, old.dtype) != (new.version, new.dtype):
                 metrics.model.remove(old.version, old.dtype)
             metrics.model.labels(new.version, new.dtype).set(1)
             metrics.reloads.labels("ok").inc()
-        return {"model_version": new.version, "previous_version": old.version, "artifact": shown}
+        return {"model_version": new.version, "previous_version": old.version, field: raw or state["artifact"]}
+
+    async def reload(request: Request):
+        return await admin(request, ReloadBody, "artifact", lambda old, target: load_artifact(target, serving_cfg),
+                           "reload")
+
+    async def delta(request: Request):
+        return await admin(request, DeltaBody, "delta",
+                           lambda old, target: Ranker(apply_delta(old.contents, target), serving_cfg), "apply-delta")
 
     if reload_token is not None:
-        app.add_api_route("/admin/reload", reload, methods=["POST"], openapi_extra={"requestBody": {
-            "content": {"application/json": {"schema": ReloadBody.model_json_schema()}}}})
+        for path, route, model in (("/admin/reload", reload, ReloadBody), ("/admin/apply-delta", delta, DeltaBody)):
+            app.add_api_route(path, route, methods=["POST"], openapi_extra={"requestBody": {
+                "content": {"application/json": {"schema": model.model_json_schema()}}}})
     return app
 
 

@@ -58,4 +58,4 @@ def test_export_flags_reach_export_checkpoint(monkeypatch):
     assert main(["export", "--checkpoint", "run", "--out", "art", "--data", "d", "--model-version", "release-7",
                  "--dtype", "int8"]) == 0
     assert seen == {"ckpt": "run", "dtype": "int8", "version": "release-7", "data_dir": "d", "overwrite": False,
-                    "retrieval_index": "auto"}
+                    "retrieval_index": "auto", "delta_since": None}

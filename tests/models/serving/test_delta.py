@@ -1,0 +1,138 @@
+"""Live row updates (models/serving/delta.py): a delta carries only the rows that changed,
+the base plus its delta answers exactly like the full new artifact (and so does a chain of
+deltas), a delta for another base is refused naming both versions, and a server applies one
+while serving with no request seeing a half-applied model."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from genrec.models.serving.artifact import ServingTable, TablePatch, export_artifact, load_artifact_contents
+from genrec.models.serving.bench import build_synthetic_model, synthetic_request
+from genrec.models.serving.delta import DeltaConflict, apply_delta, write_delta
+from genrec.models.serving.ranker import Ranker, ServingConfig, load_artifact
+from genrec.models.serving.server import create_app
+
+from serving_helpers import TOKEN, serve_in_thread
+
+NUM_ITEMS = 600
+CFG = ServingConfig(max_k=40, micro_batch=16)
+
+
+def _perturb(model, seed: int, frac: float = 0.05) -> int:
+    """Change `frac` of the item rows, one advertiser row and the dense weights; returns the
+    number of item rows changed."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        items = model.embeddings.embeddings["t_item_id"].weight
+        rows = torch.randperm(NUM_ITEMS, generator=g)[: int(frac * NUM_ITEMS)]
+        items[rows] += 0.05 * torch.randn(rows.numel(), items.shape[1], generator=g)
+        model.embeddings.embeddings["t_advertiser_id"].weight[3] += 0.1
+        for p in model.tower.parameters():
+            p.add_(1e-3 * torch.randn(p.shape, generator=g))
+    return rows.numel()
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory):
+    model, item_ids, feats = build_synthetic_model(num_items=NUM_ITEMS, dim=16, max_seq_len=96, seed=4)
+    root = tmp_path_factory.mktemp("delta")
+    arts, changed = {}, {}
+    for v in ("v1", "v2", "v3"):
+        if v != "v1":
+            changed[v] = _perturb(model, seed=int(v[1]))
+        arts[v] = export_artifact(model, {}, root / v, dtype="int8", item_ids=item_ids, item_features=feats,
+                                  version=v, export_program=False)
+    deltas = {"v2": write_delta(arts["v2"], arts["v1"], root / "d-v2"), "v3": write_delta(arts["v3"], arts["v2"], root / "d-v3")}
+    return {"arts": arts, "deltas": deltas, "changed": changed, "feats": feats, "root": root}
+
+
+def _answers(ranker: Ranker, feats, n: int = 6) -> list[dict]:
+    return [ranker.rank(synthetic_request(NUM_ITEMS, 50, k=40, n=20, seed=s, item_features=feats)) for s in range(n)]
+
+
+def test_a_delta_carries_only_the_changed_rows(versions):
+    import json
+
+    manifest = json.loads((versions["deltas"]["v2"] / "manifest.json").read_text())
+    assert (manifest["base_version"], manifest["version"]) == ("v1", "v2")
+    changes = manifest["changes"]
+    assert changes["t_item_id"] == {"changed_rows": versions["changed"]["v2"], "removed_rows": 0}
+    assert changes["t_advertiser_id"]["changed_rows"] == 1 and changes["t_category_id"]["changed_rows"] == 0
+    assert changes["item_index"]["changed_rows"] == versions["changed"]["v2"]
+    full = (versions["arts"]["v2"] / "tables" / "t_item_id.safetensors").stat().st_size
+    assert (versions["deltas"]["v2"] / "tables" / "t_item_id.safetensors").stat().st_size < 0.1 * full
+
+
+def test_base_plus_delta_answers_like_the_new_artifact(versions):
+    arts, deltas, feats = versions["arts"], versions["deltas"], versions["feats"]
+    base = load_artifact(arts["v1"], CFG)
+    v2 = Ranker(apply_delta(base.contents, deltas["v2"]), CFG)
+    assert v2.version == "v2" and _answers(v2, feats) == _answers(load_artifact(arts["v2"], CFG), feats)
+    v3 = Ranker(apply_delta(v2.contents, deltas["v3"]), CFG)  # a chain: the patches merge
+    assert _answers(v3, feats) == _answers(load_artifact(arts["v3"], CFG), feats)
+    assert _answers(base, feats) == _answers(load_artifact(arts["v1"], CFG), feats)  # the base is untouched
+
+
+def test_a_delta_for_another_base_is_refused_naming_both(versions):
+    base = load_artifact(versions["arts"]["v1"], CFG)
+    with pytest.raises(DeltaConflict, match="'v2'.*'v1'"):
+        apply_delta(base.contents, versions["deltas"]["v3"])
+
+
+def test_a_damaged_delta_is_refused_naming_the_file(versions, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(versions["deltas"]["v2"], bad)
+    path = bad / "tables" / "t_item_id.safetensors"
+    path.write_bytes(path.read_bytes()[:-8])
+    base = load_artifact(versions["arts"]["v1"], CFG)
+    with pytest.raises(ValueError, match="tables/t_item_id.safetensors"):
+        apply_delta(base.contents, bad)
+
+
+def test_a_removed_row_reads_the_default_row():
+    table = ServingTable(ids_N=torch.tensor([1, 5, 9]), rows_ND=torch.ones(3, 2), scale_bias_N2=None,
+                         patch=TablePatch(ids_N=torch.tensor([5, 7]), live_N=torch.tensor([False, True]),
+                                          rows_ND=torch.tensor([[3.0, 3.0], [2.0, 2.0]])))
+    assert table.lookup(torch.tensor([1, 5, 7, 8])).tolist() == [[1, 1], [0, 0], [2, 2], [0, 0]]
+
+
+def test_a_server_applies_a_delta_while_serving(versions):
+    arts, deltas, feats = versions["arts"], versions["deltas"], versions["feats"]
+    reqs = [synthetic_request(NUM_ITEMS, 50, k=40, n=20, seed=s, item_features=feats) for s in range(4)]
+    want = {v: [load_artifact(arts[v], CFG).rank(r)["items"] for r in reqs] for v in ("v1", "v2")}
+    app = create_app(arts["v1"], serving_cfg=CFG, reload_token=TOKEN, reload_dirs=[versions["root"]])
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    seen, stop = [], threading.Event()
+    with serve_in_thread(app) as url:
+        def client():
+            with httpx.Client(base_url=url, timeout=60) as c:
+                while not stop.is_set():
+                    for i, r in enumerate(reqs):
+                        body = c.post("/v1/rank", json=r).json()
+                        seen.append((body["model_version"], i, body["items"]))
+        threads = [threading.Thread(target=client) for _ in range(2)]
+        for t in threads:
+            t.start()
+        with httpx.Client(base_url=url, timeout=120) as c:
+            wrong = c.post("/admin/apply-delta", json={"delta": str(deltas["v3"])}, headers=auth)
+            assert wrong.status_code == 409 and "'v2'" in wrong.json()["detail"] and "'v1'" in wrong.json()["detail"]
+            assert c.post("/admin/apply-delta", json={"delta": str(deltas["v2"])}).status_code == 401
+            ok = c.post("/admin/apply-delta", json={"delta": str(deltas["v2"])}, headers=auth)
+            assert ok.status_code == 200 and ok.json()["model_version"] == "v2", ok.text
+            while sum(1 for v, _, _ in seen if v == "v2") < len(reqs):
+                time.sleep(0.01)
+            stop.set()
+            for t in threads:
+                t.join()
+            assert c.get("/healthz").json()["model_version"] == "v2"
+    # Every answer is one version's answer, whole.
+    assert {v for v, _, _ in seen} == {"v1", "v2"}
+    for v, i, items in seen:
+        assert items == want[v][i], (v, i)
