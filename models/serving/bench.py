@@ -13,7 +13,13 @@ What it measures (all side by side in one run, since the machine is shared and n
   NDCG@N of the int8 top-N against the fp32 top-N as ground truth (the model is synthetic,
   untrained; a trained checkpoint gives the production figure).
 
-Targets from the issue: p99 < 50 ms single stream; M-FALCON >= 10x recompute at K=500.
+- Live deltas: the time to build and swap in the base plus a delta of 1% of the item rows.
+- Tables read from disk: in-process latency with the tables' pages dropped before each request.
+- The approximate index (models/serving/ann.py) on clustered vectors (10M; quick: 200K):
+  build time, recall@500 of the calibrated search against exact search, one query's p99.
+
+Targets: p99 < 25 ms single stream; 100 QPS at 4 clients; M-FALCON >= 10x recompute at K=500;
+delta_apply_s < 1; recall@500 >= 0.95 with the search's p99 < 30 ms at 10M items.
 """
 
 from __future__ import annotations
@@ -191,6 +197,10 @@ def _time_calls(fn, n: int, budget_s: float) -> list[float]:
         if time.perf_counter() - start > budget_s:
             break
     return times
+
+
+ANN_K = 500
+"""K of the approximate-index figures, quick and full (the issue's recall@500)."""
 
 
 def clustered_vectors(num: int, dim: int, *, per_cluster: int = 100, noise: float = 0.5, seed: int = 0) -> torch.Tensor:
@@ -412,11 +422,15 @@ def run(quick: bool) -> dict:
         _log(f"int8/fp32 latency {result['int8_vs_fp32_latency_ratio']:.2f}, memory "
              f"{result['int8_vs_fp32_memory_ratio']:.2f}, AUC change {quality['auc_change']:+.4f}")
     ann_items = 200_000 if quick else 10_000_000
-    _log(f"approximate retrieval index over {ann_items} clustered vectors (dim {dim}, K={k})")
-    result.update(bench_ann(ann_items, dim, k, num_queries=30 if quick else 100))
-    _log(f"ANN: recall@{k} {result[f'recall_at_{k}_vs_exact']:.3f} at nprobe {result['ann_nprobe']}/"
+    _log(f"approximate retrieval index over {ann_items} clustered vectors (dim {dim}, K={ANN_K})")
+    result.update(bench_ann(ann_items, dim, ANN_K, num_queries=30 if quick else 100))
+    _log(f"ANN: recall@{ANN_K} {result[f'recall_at_{ANN_K}_vs_exact']:.3f} at nprobe {result['ann_nprobe']}/"
          f"{result['ann_nlist']}, p99 {result['ann_retrieve_p99_ms']:.1f} ms, built in {result['ann_build_s']:.0f} s")
-    result["targets_met"] = {"p99_under_50ms": result["p99_ms"] < 50, "mfalcon_10x": result["mfalcon_speedup"] >= 10}
+    result["targets_met"] = {
+        "p99_under_25ms": result["p99_ms"] < 25, "qps_100": result["qps"] >= 100,
+        "mfalcon_10x": result["mfalcon_speedup"] >= 10, "delta_apply_under_1s": result["delta_apply_s"] < 1,
+        "ann_recall_0p95_p99_under_30ms": result[f"recall_at_{ANN_K}_vs_exact"] >= 0.95
+        and result["ann_retrieve_p99_ms"] < 30}
     result["wall_s"] = time.time() - t_start
     return result
 
