@@ -50,17 +50,25 @@ def default_nlist(num_items: int) -> int:
     return max(1, min(nlist, num_items // 39))
 
 
+def merge_top_k(best_s: torch.Tensor, best_i: torch.Tensor, scores: torch.Tensor, offset: int, k: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running top-k (scores, positions) [B, <= k] after one more block of scores
+    [B, M] whose first column is position `offset`."""
+    top = scores.topk(min(k, scores.shape[1]), dim=1)
+    best_s = torch.cat([best_s, top.values], dim=1)
+    best_i = torch.cat([best_i, top.indices + offset], dim=1)
+    if best_s.shape[1] > k:
+        top = best_s.topk(k, dim=1)
+        best_s, best_i = top.values, best_i.gather(1, top.indices)
+    return best_s, best_i
+
+
 def exact_top_k(queries_QD: torch.Tensor, emb_ND: torch.Tensor, k: int, block: int = 1 << 16) -> torch.Tensor:
     """Positions [Q, k] of the exact top-k inner products (blocks of the index at a time)."""
     best_s = queries_QD.new_empty((queries_QD.shape[0], 0))
     best_i = torch.empty((queries_QD.shape[0], 0), dtype=torch.int64)
     for s in range(0, emb_ND.shape[0], block):
-        top = (queries_QD @ emb_ND[s : s + block].float().T).topk(min(k, emb_ND[s : s + block].shape[0]), dim=1)
-        best_s = torch.cat([best_s, top.values], dim=1)
-        best_i = torch.cat([best_i, top.indices + s], dim=1)
-        if best_s.shape[1] > k:
-            top = best_s.topk(k, dim=1)
-            best_s, best_i = top.values, best_i.gather(1, top.indices)
+        best_s, best_i = merge_top_k(best_s, best_i, queries_QD @ emb_ND[s : s + block].float().T, s, k)
     return best_i
 
 

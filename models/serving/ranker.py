@@ -48,7 +48,7 @@ from torch.profiler import record_function
 from genrec.data.config import FeatureSpec
 from genrec.models.ids import sorted_positions
 from genrec.models.config_loader import from_dict
-from genrec.models.serving.ann import ANN_FILE, IVFRetriever
+from genrec.models.serving.ann import ANN_FILE, IVFRetriever, merge_top_k
 from genrec.models.serving.artifact import (
     DENSE_FILE, MANIFEST, ArtifactContents, ServingTable, load_artifact_contents,
 )
@@ -362,12 +362,7 @@ class Ranker:
                     ex = mask["exclude"]
                     ex = ex[(ex >= s) & (ex < e)] - s
                     scores[b, ex] = float("-inf")
-            top = scores.topk(min(k, e - s), dim=1)
-            best_s = torch.cat([best_s, top.values], dim=1)
-            best_i = torch.cat([best_i, top.indices + s], dim=1)
-            if best_s.shape[1] > k:
-                top = best_s.topk(k, dim=1)
-                best_s, best_i = top.values, best_i.gather(1, top.indices)
+            best_s, best_i = merge_top_k(best_s, best_i, scores, s, k)
         order = best_s.argsort(dim=1, descending=True, stable=True)
         return best_s.gather(1, order), best_i.gather(1, order)
 
