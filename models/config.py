@@ -104,6 +104,11 @@ class TrainConfig:
     """Validate every this many epochs instead (0: use `eval_every`)."""
     eval_max_users: int = 2000
     """Validation users scored per validation (full item corpus each); 0 = the whole split."""
+    eval_batch_size: int = 0
+    """Users scored at once in validation; 0: as many as keep one [users, corpus] score block
+    under 2^26 floats (256 MB), between `data.loader.batch_size` and 2048. The tower's
+    per-call overhead dominates small batches: Beauty's 22K validation users took 5.2 s at
+    128, 2.6 s at 2048 (2 threads), with the same metrics."""
     best_metric: str | None = "ndcg@10"
     """Validation metric ("hr@10", "ndcg@10" or "mrr") whose best value picks the `best`
     checkpoint, which is never pruned and which `genrec eval` uses by default. None: off."""
@@ -127,7 +132,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check("train", self, positive=("max_steps", "checkpoint_every", "log_every", "keep_checkpoints"),
-               nonnegative=("eval_every", "eval_every_epochs", "eval_max_users", "early_stop_patience",
+               nonnegative=("eval_every", "eval_every_epochs", "eval_max_users", "eval_batch_size", "early_stop_patience",
                             "num_threads"))
         if self.num_epochs is not None and self.num_epochs < 1:
             raise ValueError(f"train.num_epochs must be >= 1 or unset, got {self.num_epochs}")

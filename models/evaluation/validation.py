@@ -26,6 +26,12 @@ VALIDATION_METRICS = ("hr@10", "ndcg@10", "mrr")
 """What the trainer's validation reports (and may select the best checkpoint by)."""
 
 
+def validation_batch_size(train_batch_size: int, num_items: int, max_scores: int = 1 << 26, cap: int = 2048) -> int:
+    """Users per validation batch: one [users, corpus] score block stays under `max_scores`
+    floats, never below the training batch size nor above `cap`."""
+    return max(train_batch_size, min(cap, max_scores // max(num_items, 1)))
+
+
 def target_ranks(
     scores_BN: torch.Tensor, target_ids_B: torch.Tensor, item_corpus: torch.Tensor,
     seen_ids_S: torch.Tensor, seen_lengths_B: torch.Tensor,

@@ -52,7 +52,9 @@ from genrec.models.ranks import DistInfo, all_reduce_sum, any_rank
 from genrec.models.train.distributed import init_distributed, shutdown
 from genrec.models.train.progress import ProgressLogger
 from genrec.models.train.schedule import build_dense_optimizer, warmup_cosine
-from genrec.models.evaluation.validation import VALIDATION_KS, VALIDATION_METRICS, evaluate_retrieval
+from genrec.models.evaluation.validation import (
+    VALIDATION_KS, VALIDATION_METRICS, evaluate_retrieval, validation_batch_size,
+)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -311,11 +313,13 @@ class Trainer:
         valid = Path(self.cfg.data.path) / "valid"
         if not self.cfg.model.retrieval or not any(valid.glob("*.parquet")):
             return {}
-        loader = eval_loader(self.cfg, "valid", rank=self.dist.rank, world_size=self.dist.world_size,
-                             full_history=True)
+        batch_size = self.cfg.train.eval_batch_size or validation_batch_size(
+            self.cfg.data.loader.batch_size, int(self.model.item_corpus.numel()))
+        cfg = dataclasses.replace(self.cfg, data=dataclasses.replace(
+            self.cfg.data, loader=dataclasses.replace(self.cfg.data.loader, batch_size=batch_size)))
+        loader = eval_loader(cfg, "valid", rank=self.dist.rank, world_size=self.dist.world_size, full_history=True)
         max_users = self.cfg.train.eval_max_users
-        max_batches = (-(-max_users // (self.cfg.data.loader.batch_size * self.dist.world_size))
-                       if max_users else None)
+        max_batches = -(-max_users // (batch_size * self.dist.world_size)) if max_users else None
         self.model.eval()
         with self._autocast(), gathered(self.model):
             result = evaluate_retrieval(self.model, itertools.islice(loader, max_batches), ks=VALIDATION_KS,

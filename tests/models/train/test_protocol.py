@@ -194,14 +194,17 @@ def test_unsupported_negatives_are_errors_naming_the_key(prepared, tmp_path):
     assert to_dict(cfg)["model"]["negatives"] == "in_batch"
 
 
-def test_training_validation_is_genrec_evals_metric(prepared, tmp_path):
+@pytest.mark.parametrize("eval_batch_size", [0, 3])
+def test_training_validation_is_genrec_evals_metric(prepared, tmp_path, eval_batch_size):
     """Histories here are longer than the model's window (24): validation must filter every
-    seen item, not only the window's, exactly as `genrec eval` does."""
+    seen item, not only the window's, exactly as `genrec eval` does, whatever the number of
+    users it scores at once (0: the automatic size, larger than the training batch)."""
     from genrec.models.evaluation.evaluate import run_evaluation
     from genrec.models.train.trainer import run_training
 
     run = tmp_path / "run"
-    cfg = tiny_config(prepared, run, max_steps=4, checkpoint_every=1000, eval_max_users=0)
+    cfg = tiny_config(prepared, run, max_steps=4, checkpoint_every=1000, eval_max_users=0,
+                      eval_batch_size=eval_batch_size)
     cfg.model.ranking = False
     run_training(cfg)
     valid = next(r for r in _records(run) if "valid/ndcg@10" in r)
