@@ -167,7 +167,7 @@ class IVFRetriever:
         if "allowed_N" in mask:
             bits = np.packbits(mask["allowed_N"].numpy().astype(np.uint8), bitorder="little")
             keep.append(bits)
-            sel = faiss.IDSelectorBitmap(self.num_items, faiss.swig_ptr(bits))
+            sel = faiss.IDSelectorBitmap(bits.size, faiss.swig_ptr(bits))  # n: the bitmap's bytes
             keep.append(sel)
         if "exclude" in mask and mask["exclude"].numel():
             ex = np.ascontiguousarray(mask["exclude"].numpy().astype(np.int64))
