@@ -46,6 +46,11 @@ _MAX_K_FACTOR = 64
 _TRAIN_POINTS_PER_LIST = 40
 
 
+def manifest_entry(manifest: dict) -> dict | None:
+    """The artifact's approximate-index entry (`item_index.ann`), or None when it has none."""
+    return manifest.get("item_index", {}).get("ann")
+
+
 def _faiss(threads: int | None = None):
     import faiss  # imported on use: only artifacts with an ANN index need it
 
@@ -97,8 +102,9 @@ def calibration_queries(emb_ND: torch.Tensor, num: int = _CALIBRATION_QUERIES, s
 
 def build_ivf(emb_ND: torch.Tensor, path: Path, *, k: int = 500, recall_target: float = 0.95,
               nlist: int | None = None, seed: int = 0) -> dict:
-    """Train and fill the IVF-SQ8 index of `emb_ND` (fp32 retrieval vectors, row = item
-    position), write it to `path`, and return its manifest entry."""
+    """Train and fill the approximate index of `emb_ND` (fp32 retrieval vectors, row = item
+    position; 4-bit fast-scan lists re-scored on 8-bit codes), calibrate its nprobe and
+    k_factor, write it to `path`, and return its manifest entry."""
     if not 0.0 < recall_target <= 1.0:
         raise ValueError(f"ANN recall_target must be in (0, 1], got {recall_target}")
     faiss = _faiss()

@@ -138,12 +138,13 @@ class ServingTable:
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), D]; ids never seen in training read the default row (zeros)."""
-        pos, found = self.positions(ids.long())
+        ids = ids.long()
+        pos, found = self.positions(ids)
         sb = None if self.scale_bias_N2 is None else self.scale_bias_N2[pos]
         rows = dequantize_rows(self.rows_ND[pos], sb) * found.unsqueeze(1)
         if self.patch is not None:
             p = self.patch
-            ppos, pfound = sorted_positions(p.ids_N, ids.long())
+            ppos, pfound = sorted_positions(p.ids_N, ids)
             hit = pfound.nonzero().squeeze(1)
             psb = None if p.scale_bias_N2 is None else p.scale_bias_N2[ppos[hit]]
             rows[hit] = dequantize_rows(p.rows_ND[ppos[hit]], psb) * p.live_N[ppos[hit]].unsqueeze(1)

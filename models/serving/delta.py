@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 
 from genrec.data.files import claim_output_dir, publish_dir, sha256_file, staging_dir
 from genrec.models.ids import sorted_positions
+from genrec.models.serving.ann import manifest_entry as ann_manifest_entry
 from genrec.models.serving.artifact import (
     DENSE_FILE, ITEM_INDEX_FILE, MANIFEST, ArtifactContents, ServingTable, TablePatch, load_artifact_contents,
     verify_files,
@@ -95,7 +96,7 @@ def write_delta(new_dir: str | Path, base_dir: str | Path, out_dir: str | Path, 
         diff = sorted(k for k in _comparable(bm) if bm[k] != nm[k]) or ["tables"]
         raise ValueError(f"export --delta-since {base_dir}: the base differs in {diff}; a delta carries rows and "
                          "weights only: export a full artifact")
-    if bm.get("item_index", {}).get("ann") or nm.get("item_index", {}).get("ann"):
+    if ann_manifest_entry(bm) or ann_manifest_entry(nm):
         raise ValueError(f"export --delta-since {base_dir}: artifacts with an approximate retrieval index take full "
                          "reloads (export a full artifact)")
     tmp = staging_dir(out)
@@ -128,29 +129,37 @@ def write_delta(new_dir: str | Path, base_dir: str | Path, out_dir: str | Path, 
     return out
 
 
+def _overlay(old_ids: torch.Tensor, old_cols: dict, drop_ids: torch.Tensor, ids: torch.Tensor, cols: dict
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Rows by id: the old rows whose ids `drop_ids` does not name, then the new rows
+    (`ids`, `cols`), sorted by id."""
+    _, dropped = sorted_positions(drop_ids.sort().values, old_ids)
+    keep = ~dropped
+    merged = torch.cat([old_ids[keep], ids])
+    order = torch.argsort(merged)
+    return merged[order], {k: torch.cat([old_cols[k][keep], v])[order] for k, v in cols.items()}
+
+
 def _merge_patch(old: TablePatch | None, ids: torch.Tensor, cols: dict, removed: torch.Tensor) -> TablePatch:
-    """A table's patch after one more delta: its rows, then the delta's (which win)."""
+    """A table's patch after one more delta: its rows, then the delta's (which win); a
+    removed row is an entry that is not live."""
     add_ids = torch.cat([ids, removed])
-    add_cols = {k: torch.cat([v, v.new_zeros((removed.numel(), *v.shape[1:]))]) for k, v in cols.items()}
-    add_live = torch.cat([torch.ones(ids.numel(), dtype=torch.bool), torch.zeros(removed.numel(), dtype=torch.bool)])
-    if old is not None:
-        _, overridden = sorted_positions(add_ids.sort().values, old.ids_N)
-        keep = ~overridden
-        add_ids = torch.cat([old.ids_N[keep], add_ids])
-        add_cols = {k: torch.cat([getattr(old, k)[keep], add_cols[k]]) for k in add_cols}
-        add_live = torch.cat([old.live_N[keep], add_live])
-    order = torch.argsort(add_ids)
-    return TablePatch(ids_N=add_ids[order], live_N=add_live[order], **{k: v[order] for k, v in add_cols.items()})
+    add = {k: torch.cat([v, v.new_zeros((removed.numel(), *v.shape[1:]))]) for k, v in cols.items()}
+    add["live_N"] = torch.cat([torch.ones(ids.numel(), dtype=torch.bool), torch.zeros(removed.numel(), dtype=torch.bool)])
+    if old is None:
+        old_ids, old_cols = add_ids[:0], {k: v[:0] for k, v in add.items()}
+    else:
+        old_ids, old_cols = old.ids_N, {k: getattr(old, k) for k in add}
+    merged_ids, merged = _overlay(old_ids, old_cols, add_ids, add_ids, add)
+    return TablePatch(ids_N=merged_ids, **merged)
 
 
 def _merge_index(c: ArtifactContents, delta: dict) -> dict[str, torch.Tensor]:
     """The item index after the delta: unchanged items, then changed and new ones, sorted."""
-    _, gone = sorted_positions(torch.cat([delta["item_ids"], delta["removed_ids"]]).sort().values, c.item_ids_N)
-    keep = ~gone
-    cols = {"item_ids": c.item_ids_N, **_index_columns(c)}
-    merged = {k: torch.cat([v[keep], delta[k]]) for k, v in cols.items()}
-    order = torch.argsort(merged["item_ids"])
-    return {k: v[order].contiguous() for k, v in merged.items()}
+    cols = _index_columns(c)
+    item_ids, merged = _overlay(c.item_ids_N, cols, torch.cat([delta["item_ids"], delta["removed_ids"]]),
+                                delta["item_ids"], {k: delta[k] for k in cols})
+    return {"item_ids": item_ids, **merged}
 
 
 def read_delta(delta_dir: str | Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
@@ -187,7 +196,7 @@ def apply_delta(contents: ArtifactContents, delta_dir: str | Path) -> ArtifactCo
     if manifest["base_version"] != contents.manifest["version"]:
         raise DeltaConflict(f"delta {delta_dir} applies to version {manifest['base_version']!r}, but version "
                             f"{contents.manifest['version']!r} is serving")
-    if contents.manifest.get("item_index", {}).get("ann"):
+    if ann_manifest_entry(contents.manifest):
         raise ValueError(f"delta {delta_dir}: the serving artifact has an approximate retrieval index; reload a "
                          "full artifact instead")
     tables = {}

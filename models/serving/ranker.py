@@ -49,6 +49,7 @@ from genrec.data.config import FeatureSpec
 from genrec.models.ids import sorted_positions
 from genrec.models.config_loader import from_dict
 from genrec.models.serving.ann import ANN_FILE, IVFRetriever, merge_top_k
+from genrec.models.serving.ann import manifest_entry as ann_manifest_entry
 from genrec.models.serving.artifact import (
     DENSE_FILE, MANIFEST, ArtifactContents, ServingTable, load_artifact_contents,
 )
@@ -163,7 +164,7 @@ class Ranker:
         self.item_ids_N = contents.item_ids_N
         self.item_side = contents.item_side_features
         self.item_scale_N = contents.item_scale_N
-        ann = m.get("item_index", {}).get("ann")
+        ann = ann_manifest_entry(m)
         self.ann = None
         if ann is not None and not self.cfg.exact_retrieval:
             if ann.get("file") != ANN_FILE or ANN_FILE not in m["files"] or "nprobe" not in ann:

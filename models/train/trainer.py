@@ -315,9 +315,8 @@ class Trainer:
             return {}
         batch_size = self.cfg.train.eval_batch_size or validation_batch_size(
             self.cfg.data.loader.batch_size, int(self.model.item_corpus.numel()))
-        cfg = dataclasses.replace(self.cfg, data=dataclasses.replace(
-            self.cfg.data, loader=dataclasses.replace(self.cfg.data.loader, batch_size=batch_size)))
-        loader = eval_loader(cfg, "valid", rank=self.dist.rank, world_size=self.dist.world_size, full_history=True)
+        loader = eval_loader(self.cfg, "valid", rank=self.dist.rank, world_size=self.dist.world_size,
+                             full_history=True, batch_size=batch_size)
         max_users = self.cfg.train.eval_max_users
         max_batches = -(-max_users // (batch_size * self.dist.world_size)) if max_users else None
         self.model.eval()

@@ -136,3 +136,15 @@ def test_a_server_applies_a_delta_while_serving(versions):
     assert {v for v, _, _ in seen} == {"v1", "v2"}
     for v, i, items in seen:
         assert items == want[v][i], (v, i)
+
+
+def test_patches_merge_with_the_later_delta_winning():
+    from genrec.models.serving.delta import _merge_patch
+
+    first = _merge_patch(None, torch.tensor([4, 2]), {"rows_ND": torch.tensor([[4.0], [2.0]])}, torch.tensor([9]))
+    assert first.ids_N.tolist() == [2, 4, 9] and first.live_N.tolist() == [True, True, False]
+    # The second delta changes 9 back into a live row, removes 2 and adds 7; 4 is untouched.
+    second = _merge_patch(first, torch.tensor([9, 7]), {"rows_ND": torch.tensor([[9.0], [7.0]])}, torch.tensor([2]))
+    assert second.ids_N.tolist() == [2, 4, 7, 9]
+    assert second.live_N.tolist() == [False, True, True, True]
+    assert second.rows_ND.flatten().tolist() == [0.0, 4.0, 7.0, 9.0]
