@@ -230,7 +230,8 @@ def bench_offload(num_rows: int, host_rows: int, batch: int, steps: int, root: s
         _materialize(tec, num_rows, 1 << 16)
         for ids in stream[: steps // 2]:  # warm the caches on the stream's head
             _train_step(tec, ids)
-        tec.stores["t"].hits, tec.stores["t"].misses = [0, 0, 0], 0
+        tec.stores["t"].hits.zero_()
+        tec.stores["t"].misses = 0
         tec.stores["t"].tiers[2].drop_page_cache()  # the SSD tier's reads start cold
         io0, t0 = _proc_io(), time.perf_counter()
         for ids in stream[steps // 2 :]:
@@ -289,13 +290,14 @@ def bench_scale(num_rows: int, host_rows: int, steps: int, batch: int, root: str
             _log(f"scale: {start + chunk} / {num_rows} rows, {_rss_bytes()['vmrss_bytes'] >> 20} MiB RSS")
     t_mat = time.perf_counter() - t0
     store = tec.stores["t"]
-    store.hits, store.misses = [0, 0, 0], 0
+    store.hits.zero_()
+    store.misses = 0
     sample = _zipf_sampler(num_rows, 1.05, seed=2)
     t0 = time.perf_counter()
     for _ in range(steps):
         _train_step(tec, sample(batch))
     t_train = time.perf_counter() - t0
-    lookups = max(sum(store.hits) + store.misses, 1)
+    lookups = max(int(store.hits.sum()) + store.misses, 1)
     return {
         "rows": store.num_rows,
         "row_bytes": row_width(cfg) * 4,
@@ -304,7 +306,7 @@ def bench_scale(num_rows: int, host_rows: int, steps: int, batch: int, root: str
         "train_steps": steps,
         "train_batch": batch,
         "train_seconds": t_train,
-        "hit_rate": {name: h / lookups for name, h in zip(("device", "host", "ssd"), store.hits)},
+        "hit_rate": {name: h / lookups for name, h in zip(("device", "host", "ssd"), store.hits.tolist())},
         "disk_bytes": _dir_bytes(root),
         "index_bytes": store.index.nbytes,
         "index_bytes_per_row": store.index.nbytes / max(len(store.index), 1),

@@ -415,7 +415,7 @@ class TieredEmbeddingCollection(nn.Module):
         out = {}
         for name, s in self.stores.items():
             out[name] = {f"rows_{n}": t.num_used for n, t in zip(("device", "host", "ssd"), s.tiers)}
-            out[name].update({f"hits_{n}": h for n, h in zip(("device", "host", "ssd"), s.hits)})
+            out[name].update({f"hits_{n}": h for n, h in zip(("device", "host", "ssd"), s.hits.tolist())})
             out[name]["misses"] = s.misses
         return out
 

@@ -71,7 +71,7 @@ _SIGNATURES = {
     "ix_peak_bytes": ([_P], _I), "ix_reset_peak": ([_P], None),
     "ix_find": ([_P, _P, _P, _I, _P], None), "ix_insert": ([_P, _P, _P, _P, _I], _I),
     "ix_remove": ([_P, _P, _P, _I], _I), "ix_items": ([_P, _P, _P, _P], None),
-    "fwd_lookup": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I], _I),
+    "fwd_lookup": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P], _I),
     "grad_accumulate": ([_P, _I, _P, _I, _P], None),
     "apply_rows": ([_P, _P, _I, _P, _I, ctypes.c_float, ctypes.c_float, ctypes.c_float, _I, _I], _I),
     "clock_victims": ([_P, _P, _P, _I, _P, _I, _I, _I, _P], _I),
@@ -115,17 +115,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 _ops = torch.library.Library("genrec_sparse", "DEF")
 _ops.define("fwd_lookup(Tensor tiers, int index, Tensor ids, Tensor? counts, int serve_mask, int expire_before, "
             "int open_from, int step, Tensor(a!) inv, Tensor(b!) uniq, Tensor(c!) cnt, Tensor(d!) loc, "
-            "Tensor(e!)? out, Tensor(f!)? ref0, Tensor(g!)? ref1, int ref_max) -> int")
+            "Tensor(e!)? out, Tensor(f!)? ref0, Tensor(g!)? ref1, int ref_max, Tensor(h!)? hits) -> int")
 _ops.define("grad_accumulate(Tensor inv, Tensor grad, Tensor(a!) acc) -> ()")
 _ops.define("apply_rows(Tensor tiers, Tensor loc, Tensor grad, int optimizer, float lr, float eps, "
             "float weight_decay, int set_update, int now) -> ()")
 
 
 def _fwd_lookup(tiers, index, ids, counts, serve_mask, expire_before, open_from, step, inv, uniq, cnt, loc,
-                out, ref0, ref1, ref_max):
+                out, ref0, ref1, ref_max, hits):
     return load().fwd_lookup(index, tiers.data_ptr(), ids.data_ptr(), _ptr(counts), ids.numel(), serve_mask,
                              expire_before, open_from, step, inv.data_ptr(), uniq.data_ptr(), cnt.data_ptr(),
-                             loc.data_ptr(), _ptr(out), _ptr(ref0), _ptr(ref1), ref_max)
+                             loc.data_ptr(), _ptr(out), _ptr(ref0), _ptr(ref1), ref_max, _ptr(hits))
 
 
 def _grad_accumulate(inv, grad, acc):

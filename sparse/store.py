@@ -126,7 +126,7 @@ class TableStore:
         # removed after it while track_removals (given up, None, past a table's worth).
         self.snapshot_step, self.track_removals, self._removed_count = 0, False, 0
         self.removed_since_snapshot: list[torch.Tensor] | None = []
-        self.hits = [0, 0, 0]
+        self.hits = torch.zeros(3, dtype=torch.int64)  # unique ids served per tier (the native lookup adds in place)
         self.misses = 0
 
     # ---------------------------------------------------------------- locating rows
@@ -338,13 +338,11 @@ class TableStore:
         expire_before = now - ttl if ttl is not None and now is not None else native.NO_EXPIRY
         r = torch.ops.genrec_sparse.fwd_lookup(
             self._tier_view(), self.index.handle, ids_N.contiguous(), counts_N, serve, expire_before,
-            self._open_from(), self.step, inv_N, uniq_N, cnt_N, loc_N, out_ND, *self.clock_ref, self.clock_max)
+            self._open_from(), self.step, inv_N, uniq_N, cnt_N, loc_N, out_ND, *self.clock_ref, self.clock_max,
+            self.hits)
         if r < -n - 1:
             raise MemoryError("genrec.sparse: the fused lookup could not allocate its scratch table")
         u = r if r >= 0 else -r - 1
-        if r >= 0:
-            for t, c in enumerate(torch.bincount(loc_N[:u] & 3, minlength=3).tolist()[:3]):
-                self.hits[t] += c
         return u, r >= 0, inv_N, uniq_N[:u], cnt_N[:u], loc_N[:u], out_ND
 
     def lookup_train(self, ids_U: torch.Tensor, counts_U: torch.Tensor, now: int | None):
@@ -479,11 +477,14 @@ class TableStore:
         fresh = locations is not None and locations[0] == self.version - 1
         stamp = self.cfg.ttl_seconds is not None and now is not None
         if self.native_rows and self.cfg.optimizer in native.OPTIMIZERS:
-            loc_A = locations[1] if fresh and len(locations) == 2 else self.index.get(ids_A, self._tier_view())
             grad_AD = grad_AD.float().contiguous()
-            have = loc_A >= 0  # every id has a row in practice: open-step rows are never dropped
-            if not bool(have.all()):
-                loc_A, grad_AD = loc_A[have], grad_AD[have]
+            if fresh and len(locations) == 2:  # a committed native lookup: every id has its row
+                loc_A = locations[1]
+            else:
+                loc_A = self.index.get(ids_A, self._tier_view())
+                have = loc_A >= 0  # every id has a row in practice: open-step rows are never dropped
+                if not bool(have.all()):
+                    loc_A, grad_AD = loc_A[have], grad_AD[have]
             cfg = self.cfg
             torch.ops.genrec_sparse.apply_rows(self._tier_view(), loc_A.contiguous(), grad_AD,
                                                native.OPTIMIZERS[cfg.optimizer], cfg.learning_rate, cfg.eps,

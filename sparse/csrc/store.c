@@ -288,13 +288,14 @@ static void dedup_release(int32_t *tab) {
  * absent). When every unique row is present, sits in a tier of `serve_mask` (bit t =
  * tier t is read in place), and is live (last update >= expire_before, or looked up at
  * or after open_from), it also commits: last access = step, count += sightings, CLOCK
- * count += sightings (at most ref_max), and out [n, D] = each id's row values. Returns the number of unique ids U,
+ * count += sightings (at most ref_max), out [n, D] = each id's row values, and hits [t] +=
+ * the unique ids served from tier t (hits may be NULL). Returns the number of unique ids U,
  * or -(U + 1) when it did not commit (nothing was written then but inv, uniq, cnt, loc).
  * A negative return below -n means memory ran out (or n >= 2^31, which the caller refuses). */
 int64_t fwd_lookup(const Index *ix, const int64_t *tvd, const int64_t *ids, const int64_t *counts, int64_t n,
                    int64_t serve_mask, int64_t expire_before, int64_t open_from, int64_t step,
                    int64_t *inv, int64_t *uniq, int64_t *cnt, int64_t *loc, float *out,
-                   uint8_t *ref0, uint8_t *ref1, int64_t ref_max) {
+                   uint8_t *ref0, uint8_t *ref1, int64_t ref_max, int64_t *hits) {
     Tiers tv = {tvd};
     int64_t cap = 16;
     while (cap < 2 * n) cap <<= 1;
@@ -340,6 +341,7 @@ int64_t fwd_lookup(const Index *ix, const int64_t *tvd, const int64_t *ids, cons
             if (ref) __builtin_prefetch(&ref[ahead >> 2]);
         }
         int64_t *m = meta_ptr(tv, loc[u]);
+        if (hits) hits[loc[u] & 3]++;
         m[META_LAST_ACCESS] = step;
         m[META_FREQ] += cnt[u];
         uint8_t *ref = (loc[u] & 3) == 0 ? ref0 : ref1;
