@@ -106,7 +106,7 @@ CONSISTENT = {
 """Ratios a quick bench must reproduce: within QUICK_TOLERANCE of its full run's (the others
 depend on size by design: the full runs are larger tables, histories and corpora)."""
 QUICK_TOLERANCE = 0.2
-QUALITY_SEEDS = ("quality-s0", "quality-s1")
+QUALITY_SEEDS = ("quality-s0", "quality-s1", "quality-s2")
 PROFILES = ("profile-train", "profile-serve")
 """`genrec profile` summaries (summary.json) copied here; rendered in blocks profile_train, profile_serve."""
 
