@@ -1,13 +1,17 @@
 """Parallel layouts: a checkpoint of N ranks resumes on M (1 <-> 2 <-> 4 gloo ranks) and
 still ends its epochs where the rows run out; FSDP2 trains like DDP, and their checkpoints
 resume under each other; two `torchrun` launchers on loopback (2 nodes x 1 process, c10d
-rendezvous) train exactly like 1 node x 2 processes."""
+rendezvous) train exactly like 1 node x 2 processes, and when one of them is killed under
+`--nnodes 1:2`, the other re-forms the job alone and resumes it on one rank."""
 
 import json
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +126,74 @@ def test_two_launchers_on_loopback_train_like_one_node(prepared, tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], outs
     assert len(_losses(tmp_path / "one")) == 4
     assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-6, abs=1e-7)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL pid and its descendants, parents first (torchrun starts its workers in
+    sessions of their own, so a process group would miss them)."""
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        children = []
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                children += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:  # gone meanwhile
+                pass
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        todo += children
+
+
+def test_a_lost_node_leaves_the_other_to_resume_the_job_on_one_rank(prepared, tmp_path):
+    """Two launchers under `--nnodes 1:2`; once a 2-rank checkpoint is complete, one
+    launcher and its worker are killed (a node lost). The other's worker fails in its next
+    collective, its launcher re-forms the job alone (the dead node drops out of the c10d
+    rendezvous) and the restarted worker resumes the last complete checkpoint on 1 rank,
+    running to max_steps with every step logged once after the resume point."""
+    script = tmp_path / "train.py"
+    script.write_text(_LAUNCHED)
+    run, steps = tmp_path / "run", 400
+    cfg = tiny_config(prepared, run, max_steps=steps, checkpoint_every=10, eval_every=0, num_threads=1)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    rdzv = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
+    launcher = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", endpoint, "--rdzv-id", "genrec-node-loss"]
+    # The survivor hosts the rendezvous store: the lost node must not take it along.
+    survivor = _torchrun(script, cfg, tmp_path / "a.json", *launcher, "--rdzv-conf", f"is_host=1,{rdzv}")
+    lost = _torchrun(script, cfg, tmp_path / "b.json", *launcher, "--rdzv-conf", f"is_host=0,{rdzv}")
+    try:
+        first = run / "checkpoints" / "step-00000020"
+        deadline = time.monotonic() + 240
+        while not (first / "COMPLETE").exists():
+            assert survivor.poll() is None and lost.poll() is None, "a launcher ended before the node loss"
+            assert time.monotonic() < deadline, "no 2-rank checkpoint in time"
+            time.sleep(0.05)
+        assert _rank_dirs(first) == ["rank-00000-of-00002", "rank-00001-of-00002"]
+        _kill_tree(lost.pid)  # the node's launcher and its worker, at once
+        lost.wait(timeout=30)
+        try:
+            out = survivor.communicate(timeout=300)[0]
+        except subprocess.TimeoutExpired:
+            _kill_tree(survivor.pid)
+            log = [line for line in survivor.communicate()[0].replace("\r", "\n").splitlines() if "train:" not in line]
+            pytest.fail("the surviving launcher did not finish:\n" + "\n".join(log[-80:]))
+    finally:
+        for p in (survivor, lost):
+            if p.poll() is None:
+                _kill_tree(p.pid)
+    assert survivor.returncode == 0, out
+    resumed = re.search(r"resumed from \S*step-(\d+) at step (\d+)", out)
+    assert resumed and "resumed a 2-rank checkpoint on 1 rank(s)" in out, out
+    at = int(resumed.group(2))
+    assert 20 <= at < steps
+    logged = _logged_steps(run)
+    # The first run logged steps up to at least `at` (some maybe past it, replayed after
+    # the resume); from the resume on, each step once, to the end.
+    tail = logged[len(logged) - (steps - at):]
+    assert tail == list(range(at + 1, steps + 1)), logged[-(steps - at) - 5:]
+    assert set(range(1, at + 1)) <= set(logged)
+    last = run / "checkpoints" / f"step-{steps:08d}"
+    assert _rank_dirs(last) == ["rank-00000-of-00001"]
