@@ -392,10 +392,13 @@ class Ranker:
 
     def _int8_scores(self, user_BD: torch.Tensor, block: int, s: int, e: int) -> torch.Tensor:
         if self._int8_blocks is not None:
-            # Dynamic int8 GEMM: the user vectors are quantized per call (uint8, per tensor).
+            # Dynamic int8 GEMM: the user vectors are quantized per call (uint8, per tensor),
+            # so each user goes alone: on the batch's range, a request's scores would depend
+            # on the others in its server batch.
             # reduce_range (7-bit activations) is needed on CPUs without VNNI: FBGEMM's AVX2
             # path sums u8*s8 pairs in saturating int16, which clips full-range products.
-            return torch.ops.quantized.linear_dynamic(user_BD, self._int8_blocks[block], True)
+            w = self._int8_blocks[block]
+            return torch.cat([torch.ops.quantized.linear_dynamic(u, w, True) for u in user_BD.split(1)])
         return (user_BD @ self.item_rows_ND[s:e].float().T) * self.item_scale_N[s:e]
 
     def candidate_tokens(self, cand_idx: list[torch.Tensor], contexts: list[dict[str, int]] | None = None) -> torch.Tensor:
