@@ -112,6 +112,27 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 # ---------------------------------------------------------------------------- operators
+# The store's eager hot path calls these three functions directly; the same functions are
+# the CPU kernels of the torch.library operators below. Through the dispatcher a call
+# boxes its arguments and calls back into Python: measured 0.1-0.15 ms per fwd_lookup
+# (17 arguments), a few percent of a 16K-id training step.
+def fwd_lookup(tiers, index, ids, counts, serve_mask, expire_before, open_from, step, inv, uniq, cnt, loc,
+               out, ref0, ref1, ref_max, hits) -> int:
+    return _lib.fwd_lookup(index, tiers.data_ptr(), ids.data_ptr(), _ptr(counts), ids.numel(), serve_mask,
+                           expire_before, open_from, step, inv.data_ptr(), uniq.data_ptr(), cnt.data_ptr(),
+                           loc.data_ptr(), _ptr(out), _ptr(ref0), _ptr(ref1), ref_max, _ptr(hits))
+
+
+def grad_accumulate(inv, grad, acc) -> None:
+    _lib.grad_accumulate(inv.data_ptr(), inv.numel(), grad.data_ptr(), grad.shape[1], acc.data_ptr())
+
+
+def apply_rows(tiers, loc, grad, optimizer, lr, eps, weight_decay, set_update, now) -> None:
+    if _lib.apply_rows(tiers.data_ptr(), loc.data_ptr(), loc.numel(), grad.data_ptr(), optimizer, lr, eps,
+                       weight_decay, set_update, now):
+        raise MemoryError("genrec.sparse: the native optimizer step could not allocate its scratch row")
+
+
 _ops = torch.library.Library("genrec_sparse", "DEF")
 _ops.define("fwd_lookup(Tensor tiers, int index, Tensor ids, Tensor? counts, int serve_mask, int expire_before, "
             "int open_from, int step, Tensor(a!) inv, Tensor(b!) uniq, Tensor(c!) cnt, Tensor(d!) loc, "
@@ -119,28 +140,9 @@ _ops.define("fwd_lookup(Tensor tiers, int index, Tensor ids, Tensor? counts, int
 _ops.define("grad_accumulate(Tensor inv, Tensor grad, Tensor(a!) acc) -> ()")
 _ops.define("apply_rows(Tensor tiers, Tensor loc, Tensor grad, int optimizer, float lr, float eps, "
             "float weight_decay, int set_update, int now) -> ()")
-
-
-def _fwd_lookup(tiers, index, ids, counts, serve_mask, expire_before, open_from, step, inv, uniq, cnt, loc,
-                out, ref0, ref1, ref_max, hits):
-    return load().fwd_lookup(index, tiers.data_ptr(), ids.data_ptr(), _ptr(counts), ids.numel(), serve_mask,
-                             expire_before, open_from, step, inv.data_ptr(), uniq.data_ptr(), cnt.data_ptr(),
-                             loc.data_ptr(), _ptr(out), _ptr(ref0), _ptr(ref1), ref_max, _ptr(hits))
-
-
-def _grad_accumulate(inv, grad, acc):
-    load().grad_accumulate(inv.data_ptr(), inv.numel(), grad.data_ptr(), grad.shape[1], acc.data_ptr())
-
-
-def _apply_rows(tiers, loc, grad, optimizer, lr, eps, weight_decay, set_update, now):
-    if load().apply_rows(tiers.data_ptr(), loc.data_ptr(), loc.numel(), grad.data_ptr(), optimizer, lr, eps,
-                         weight_decay, set_update, now):
-        raise MemoryError("genrec.sparse: the native optimizer step could not allocate its scratch row")
-
-
-_ops.impl("fwd_lookup", _fwd_lookup, "CPU")
-_ops.impl("grad_accumulate", _grad_accumulate, "CPU")
-_ops.impl("apply_rows", _apply_rows, "CPU")
+_ops.impl("fwd_lookup", fwd_lookup, "CPU")
+_ops.impl("grad_accumulate", grad_accumulate, "CPU")
+_ops.impl("apply_rows", apply_rows, "CPU")
 
 
 # ---------------------------------------------------------------------------- the store's view

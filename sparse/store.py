@@ -336,7 +336,7 @@ class TableStore:
         serve = (1 << top) | (2 if self.keep_host_hits else 0)
         ttl = self.cfg.ttl_seconds
         expire_before = now - ttl if ttl is not None and now is not None else native.NO_EXPIRY
-        r = torch.ops.genrec_sparse.fwd_lookup(
+        r = native.fwd_lookup(
             self._tier_view(), self.index.handle, ids_N.contiguous(), counts_N, serve, expire_before,
             self._open_from(), self.step, inv_N, uniq_N, cnt_N, loc_N, out_ND, *self.clock_ref, self.clock_max,
             self.hits)
@@ -376,7 +376,7 @@ class TableStore:
         ids, like index_add_), then one optimizer step per row, in place."""
         grad_ND = grad_ND.float().contiguous()
         grad_UD = torch.empty(ctx.uniq_U.numel(), self.dim)  # every row is written (first-occurrence order)
-        torch.ops.genrec_sparse.grad_accumulate(ctx.inv_N, grad_ND, grad_UD)
+        native.grad_accumulate(ctx.inv_N, grad_ND, grad_UD)
         if ctx.admitted_U is not None:
             keep = ctx.admitted_U.nonzero().squeeze(1)
             self.apply_grad(ctx.uniq_U[keep], grad_UD[keep], ctx.now)
@@ -486,7 +486,7 @@ class TableStore:
                 if not bool(have.all()):
                     loc_A, grad_AD = loc_A[have], grad_AD[have]
             cfg = self.cfg
-            torch.ops.genrec_sparse.apply_rows(self._tier_view(), loc_A.contiguous(), grad_AD,
+            native.apply_rows(self._tier_view(), loc_A.contiguous(), grad_AD,
                                                native.OPTIMIZERS[cfg.optimizer], cfg.learning_rate, cfg.eps,
                                                cfg.weight_decay, int(stamp), now if stamp else 0)
             return

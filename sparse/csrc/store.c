@@ -34,6 +34,9 @@
 #include <string.h>
 #include <math.h>
 #include <pthread.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #define NUM_META 3
 #define META_LAST_ACCESS 0
@@ -381,6 +384,29 @@ void grad_accumulate(const int64_t *inv, int64_t n, const float *grad, int64_t D
 
 enum { OPT_ROWWISE_ADAGRAD = 0, OPT_SGD = 1 };
 
+/* sq[0] after sq[d] = sq[d] + sq[d + h] for h = P/2, P/4, .., 1 (P a power of two): the
+ * reference's pairwise sum (optim.sum_squares), in its order. With AVX2 the levels down to
+ * 8 run 8 lanes at a time and the last three in one register, the same additions: the
+ * scalar loops made each level wait on the stores of the one before (about half of a
+ * cached row's step). */
+static inline float halving_sum(float *sq, int64_t P) {
+#ifdef __AVX2__
+    if (P >= 8) {
+        for (int64_t h = P / 2; h >= 8; h /= 2)
+            for (int64_t d = 0; d < h; d += 8)
+                _mm256_storeu_ps(sq + d, _mm256_add_ps(_mm256_loadu_ps(sq + d), _mm256_loadu_ps(sq + d + h)));
+        __m256 v = _mm256_loadu_ps(sq);
+        __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* h = 4 */
+        x = _mm_add_ps(x, _mm_movehl_ps(x, x));                                       /* h = 2 */
+        x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));                                   /* h = 1 */
+        return _mm_cvtss_f32(x);
+    }
+#endif
+    for (int64_t h = P / 2; h >= 1; h /= 2)
+        for (int64_t d = 0; d < h; d++) sq[d] = sq[d] + sq[d + h];
+    return sq[0];
+}
+
 /* One optimizer step on each row at loc[u] from its summed gradient grad [U, D], in
  * place, with the reference's operations in the reference's order (sparse/optim.py):
  *   g = grad (+ wd * w)
@@ -413,9 +439,7 @@ int64_t apply_rows(const int64_t *tvd, const int64_t *loc, int64_t U, const floa
         if (opt == OPT_ROWWISE_ADAGRAD) {
             for (int64_t d = 0; d < D; d++) sq[d] = g[d] * g[d];
             for (int64_t d = D; d < P; d++) sq[d] = 0.0f;
-            for (int64_t h = P / 2; h >= 1; h /= 2)
-                for (int64_t d = 0; d < h; d++) sq[d] = sq[d] + sq[d + h];
-            float mom = w[D] + sq[0] / (float)D;
+            float mom = w[D] + halving_sum(sq, P) / (float)D;
             w[D] = mom;
             float mult = (1.0f / (sqrtf(mom) + eps)) * -lr;
             for (int64_t d = 0; d < D; d++) w[d] = w[d] + g[d] * mult;
