@@ -1,5 +1,6 @@
 """The store's native kernels (csrc/store.c), loaded through ctypes and registered as
-torch.library operators (`torch.ops.genrec_sparse.*`, CPU kernels).
+torch.library operators (`torch.ops.genrec_sparse.*`, CPU kernels); the store's own
+eager hot path calls the same Python functions directly (see "operators" below).
 
 The library is built by the install command (setup.py: `pip install -e .`) beside this
 file as `_store_kernels*.so`, for the instruction set in `ISA_FLAGS`; loading checks that
