@@ -75,6 +75,7 @@ _SIGNATURES = {
     "fwd_lookup": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P], _I),
     "grad_accumulate": ([_P, _I, _P, _I, _P], None),
     "apply_rows": ([_P, _P, _I, _P, _I, ctypes.c_float, ctypes.c_float, ctypes.c_float, _I, _I], _I),
+    "bwd_apply": ([_P, _P, _I, _P, _P, _I, _I, ctypes.c_float, ctypes.c_float, ctypes.c_float, _I, _I], _I),
     "clock_victims": ([_P, _P, _P, _I, _P, _I, _I, _I, _P], _I),
     "expired_slots": ([_P, _P, _I, _I, _I, _I, _P, _I, _P], _I),
     "lowest_rows": ([_P, _I, _I, _I, _P, _P], _I),
@@ -113,7 +114,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 # ---------------------------------------------------------------------------- operators
-# The store's eager hot path calls these three functions directly; the same functions are
+# The store's eager hot path calls these functions directly; the same functions are
 # the CPU kernels of the torch.library operators below. Through the dispatcher a call
 # boxes its arguments and calls back into Python: measured 0.1-0.15 ms per fwd_lookup
 # (17 arguments), a few percent of a 16K-id training step.
@@ -134,6 +135,13 @@ def apply_rows(tiers, loc, grad, optimizer, lr, eps, weight_decay, set_update, n
         raise MemoryError("genrec.sparse: the native optimizer step could not allocate its scratch row")
 
 
+def bwd_apply(tiers, inv, grad, loc, optimizer, lr, eps, weight_decay, set_update, now) -> None:
+    """grad_accumulate then apply_rows in one native call, for a committed lookup's rows."""
+    if _lib.bwd_apply(tiers.data_ptr(), inv.data_ptr(), inv.numel(), grad.data_ptr(), loc.data_ptr(), loc.numel(),
+                      optimizer, lr, eps, weight_decay, set_update, now):
+        raise MemoryError("genrec.sparse: the native backward could not allocate its scratch rows")
+
+
 _ops = torch.library.Library("genrec_sparse", "DEF")
 _ops.define("fwd_lookup(Tensor tiers, int index, Tensor ids, Tensor? counts, int serve_mask, int expire_before, "
             "int open_from, int step, Tensor(a!) inv, Tensor(b!) uniq, Tensor(c!) cnt, Tensor(d!) loc, "
@@ -141,9 +149,12 @@ _ops.define("fwd_lookup(Tensor tiers, int index, Tensor ids, Tensor? counts, int
 _ops.define("grad_accumulate(Tensor inv, Tensor grad, Tensor(a!) acc) -> ()")
 _ops.define("apply_rows(Tensor tiers, Tensor loc, Tensor grad, int optimizer, float lr, float eps, "
             "float weight_decay, int set_update, int now) -> ()")
+_ops.define("bwd_apply(Tensor tiers, Tensor inv, Tensor grad, Tensor loc, int optimizer, float lr, float eps, "
+            "float weight_decay, int set_update, int now) -> ()")
 _ops.impl("fwd_lookup", fwd_lookup, "CPU")
 _ops.impl("grad_accumulate", grad_accumulate, "CPU")
 _ops.impl("apply_rows", apply_rows, "CPU")
+_ops.impl("bwd_apply", bwd_apply, "CPU")
 
 
 # ---------------------------------------------------------------------------- the store's view

@@ -70,8 +70,8 @@ class ReferenceIndex(TensorHashMap):
 class _FusedGrad:
     """What a fused training lookup's backward needs (TableStore.train_forward)."""
 
-    def __init__(self, version: int, inv_N, uniq_U, loc_U, admitted_U, now: int | None) -> None:
-        self.version, self.inv_N, self.uniq_U, self.loc_U = version, inv_N, uniq_U, loc_U
+    def __init__(self, moves: int, inv_N, uniq_U, loc_U, admitted_U, now: int | None) -> None:
+        self.moves, self.inv_N, self.uniq_U, self.loc_U = moves, inv_N, uniq_U, loc_U
         self.admitted_U, self.now = admitted_U, now
 
 
@@ -119,7 +119,8 @@ class TableStore:
         self.step = 0  # counts training lookups (forwards), not steps: finer LRU order within a step
         # Steps: the open one began at lookup `window_start`; done once its backward ran.
         self.window_start, self.step_done = 1, True
-        self.version = 0  # bumped whenever any row changes tier or slot
+        self.version = 0  # bumped whenever any row changes tier or slot, and by every optimizer step
+        self.moves = 0  # bumped whenever any row changes tier or slot (a native location's validity)
         self.last_locations = None
         self.last_sweep = None
         # Since the last snapshot saved or loaded (for deltas): its lookup count, and the ids
@@ -151,12 +152,14 @@ class TableStore:
     def _set_loc(self, ids_N: torch.Tensor, slots_N: torch.Tensor, t: int) -> None:
         """Index rows just written (ids in their slots) that have no entry."""
         self.version += 1
+        self.moves += 1
         self.index.insert(ids_N, (slots_N << 2) | t, self._tier_view())
 
     def _detach(self, ids_N: torch.Tensor) -> None:
         """Take rows out of the index while their slots still hold them: a moving row
         leaves the index before its old slot is freed and returns once placed."""
         self.version += 1
+        self.moves += 1
         self.index.remove(ids_N, self._tier_view())
 
     def _remove(self, ids_N, tier_N, slot_N) -> None:
@@ -367,7 +370,7 @@ class TableStore:
         self._begin_lookup(now)
         u, done, inv_N, uniq_U, cnt_U, loc_U, out_ND = self._native_lookup(ids_N, None, now, out=True)
         if done:
-            return out_ND, _FusedGrad(self.version, inv_N, uniq_U, loc_U, None, now)
+            return out_ND, _FusedGrad(self.moves, inv_N, uniq_U, loc_U, None, now)
         values_UD, admitted_U = self._lookup_moving(uniq_U, cnt_U, loc_U & 3, loc_U >> 2, now)
         return values_UD.index_select(0, inv_N), _FusedGrad(-1, inv_N, uniq_U, None, admitted_U, now)
 
@@ -375,13 +378,19 @@ class TableStore:
         """train_forward's backward: sum gradients per unique id (in the order of the
         ids, like index_add_), then one optimizer step per row, in place."""
         grad_ND = grad_ND.float().contiguous()
+        if ctx.admitted_U is None and ctx.moves == self.moves and self.cfg.optimizer in native.OPTIMIZERS:
+            # A committed lookup and no row moved since (another lookup's optimizer step may
+            # have changed values: they are read in place): sum and step in one native call.
+            self._close_step()
+            native.bwd_apply(self._tier_view(), ctx.inv_N, grad_ND, ctx.loc_U, *self._native_step_args(ctx.now))
+            return
         grad_UD = torch.empty(ctx.uniq_U.numel(), self.dim)  # every row is written (first-occurrence order)
         native.grad_accumulate(ctx.inv_N, grad_ND, grad_UD)
         if ctx.admitted_U is not None:
             keep = ctx.admitted_U.nonzero().squeeze(1)
             self.apply_grad(ctx.uniq_U[keep], grad_UD[keep], ctx.now)
             return
-        self.apply_grad(ctx.uniq_U, grad_UD, ctx.now, (ctx.version, ctx.loc_U))
+        self.apply_grad(ctx.uniq_U, grad_UD, ctx.now)
 
     def _lookup_moving(self, ids_U, counts_U, tier_U, slot_U, now: int | None):
         """The general training lookup: expire lazily, admit, create, refresh and move rows."""
@@ -466,14 +475,26 @@ class TableStore:
             rows_PW, meta_P3 = self._read(tier_U[up], slot_U[up])
             self._promote(ids_U[up], tier_U[up], slot_U[up], rows_PW, meta_P3)
 
+    def _close_step(self) -> None:
+        """A backward ran: the next lookup opens a new step, and locations taken before
+        this no longer count as fresh."""
+        self.step_done = True
+        self.version += 1
+
+    def _native_step_args(self, now: int | None) -> tuple:
+        """(optimizer, lr, eps, weight decay, set_update, now) of the native optimizer step;
+        rows get an update time only under a TTL."""
+        cfg, stamp = self.cfg, self.cfg.ttl_seconds is not None and now is not None
+        return (native.OPTIMIZERS[cfg.optimizer], cfg.learning_rate, cfg.eps, cfg.weight_decay, int(stamp),
+                now if stamp else 0)
+
     def apply_grad(self, ids_A: torch.Tensor, grad_AD: torch.Tensor, now: int | None, locations=None) -> None:
         """One optimizer step on each row from its summed gradient, wherever it lives now.
 
         `locations` from the forward's fast path: (version, loc_A) of a native lookup, or
         (version, tier, slot_A, rows_AW) of the reference one; used only if no row has
         moved or changed since (version unchanged), else the ids are located again."""
-        self.step_done = True
-        self.version += 1
+        self._close_step()
         fresh = locations is not None and locations[0] == self.version - 1
         stamp = self.cfg.ttl_seconds is not None and now is not None
         if self.native_rows and self.cfg.optimizer in native.OPTIMIZERS:
@@ -485,10 +506,7 @@ class TableStore:
                 have = loc_A >= 0  # every id has a row in practice: open-step rows are never dropped
                 if not bool(have.all()):
                     loc_A, grad_AD = loc_A[have], grad_AD[have]
-            cfg = self.cfg
-            native.apply_rows(self._tier_view(), loc_A.contiguous(), grad_AD,
-                                               native.OPTIMIZERS[cfg.optimizer], cfg.learning_rate, cfg.eps,
-                                               cfg.weight_decay, int(stamp), now if stamp else 0)
+            native.apply_rows(self._tier_view(), loc_A.contiguous(), grad_AD, *self._native_step_args(now))
             return
         if fresh and len(locations) == 4 and self.cfg.ttl_seconds is None:
             _, t, slot_A, rows_AW = locations
@@ -582,6 +600,7 @@ class TableStore:
         self.mark_snapshot()
         self.window_start, self.step_done = staged.step + 1, True
         self.version += 1
+        self.moves += 1
         self.last_locations = None
         room = sum(t.capacity for t in self.tiers[:2])
         slots_S, ids_S = self.tiers[2].used_slots()

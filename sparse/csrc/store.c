@@ -452,6 +452,21 @@ int64_t apply_rows(const int64_t *tvd, const int64_t *loc, int64_t U, const floa
     return 0;
 }
 
+/* A committed lookup's backward in one call: grad_accumulate into scratch rows, then
+ * apply_rows on them (loc: the lookup's locations, still valid). The same sums and steps
+ * as the two calls in turn. Returns apply_rows's result, -1 also when the scratch could
+ * not be allocated. */
+int64_t bwd_apply(const int64_t *tvd, const int64_t *inv, int64_t n, const float *grad, const int64_t *loc,
+                  int64_t U, int64_t opt, float lr, float eps, float wd, int64_t set_update, int64_t now) {
+    int64_t D = tvd[16];
+    float *acc = (float *)malloc((size_t)(U > 0 ? U : 1) * (size_t)D * sizeof(float));
+    if (!acc) return -1;
+    grad_accumulate(inv, n, grad, D, acc);
+    int64_t r = apply_rows(tvd, loc, U, acc, opt, lr, eps, wd, set_update, now);
+    free(acc);
+    return r;
+}
+
 /* ------------------------------------------------------------------------- policies */
 
 /* Up to k CLOCK victims of a one-slab memory tier: the hand sweeps the slots; a used slot

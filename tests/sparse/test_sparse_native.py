@@ -101,19 +101,40 @@ def test_native_kernels_give_the_reference_rows_bit_for_bit(name):
     _check_index(store_n)
 
 
-def test_native_one_rank_training_takes_the_fused_path():
-    """Once every row is resident, a training step goes through the one native call and
-    never through the general lookup."""
+def test_the_one_call_backward_gives_the_reference_rows_bit_for_bit(monkeypatch):
+    """Every id of the stream has a row before it starts, so both lookups of most steps
+    commit and their backwards are one native call each (bwd_apply: sums, then steps,
+    the second reading the rows the first stepped), against the reference's rows."""
+    table = TableConfig(name="t", embedding_dim=8, feature_names=["item", "neg"], seed=3, weight_decay=0.01)
+    results, fused = {}, []
+    bwd_apply = native.bwd_apply
+    monkeypatch.setattr(native, "bwd_apply", lambda *a: fused.append(1) or bwd_apply(*a))
+    for kernels in ("native", "reference"):
+        tec = TieredEmbeddingCollection(SparseConfig(tables=[table], kernels=kernels))
+        tec(_kjt(["item"], [list(range(300))])).get("item").values().square().sum().backward()
+        results[kernels] = _train(tec, steps=30, seed=4, num_ids=150), _rows(tec)
+    (loss_n, rows_n), (loss_r, rows_r) = results["native"], results["reference"]
+    assert len(fused) >= 40, f"the one-call backward ran {len(fused)} times in 30 steps"
+    assert loss_n == loss_r and sorted(rows_n) == sorted(rows_r)
+    for i in rows_r:
+        assert torch.equal(rows_n[i][0], rows_r[i][0]) and torch.equal(rows_n[i][1], rows_r[i][1]), f"row {i}"
+
+
+def test_native_one_rank_training_takes_the_fused_path(monkeypatch):
+    """Once every row is resident, a training step is one native call each way and never
+    the general lookup."""
     table = TableConfig(name="t", embedding_dim=4, feature_names=["item", "neg"], device_rows=0, host_rows=1000)
     tec = TieredEmbeddingCollection(SparseConfig(tables=[table]))
     store = tec.stores["t"]
     _train(tec, steps=3, seed=0, num_ids=100)
     tec(_kjt(["item"], [list(range(200))])).get("item").values().sum().backward()  # every id has a row now
 
-    def general(*args, **kwargs):
-        raise AssertionError("the general lookup ran")
+    def other_path(*args, **kwargs):
+        raise AssertionError("a path other than the two fused native calls ran")
 
-    store._lookup_moving = general
+    store._lookup_moving = other_path
+    monkeypatch.setattr(native, "grad_accumulate", other_path)  # the backward is one call: bwd_apply
+    monkeypatch.setattr(native, "apply_rows", other_path)
     before = dict(_rows(tec))
     _train(tec, steps=3, seed=5, num_ids=100)
     assert any(not torch.equal(before[i][0], r) for i, (r, _) in _rows(tec).items())
@@ -122,19 +143,21 @@ def test_native_one_rank_training_takes_the_fused_path():
 def test_the_registered_operators_train_like_the_direct_calls(monkeypatch):
     """torch.ops.genrec_sparse.* (the dispatcher's way in) run the kernels that the
     store's hot path calls directly: the same stream through either gives the same bits."""
-    table = TableConfig(name="t", embedding_dim=8, feature_names=["item", "neg"], device_rows=4, host_rows=1000,
+    table = TableConfig(name="t", embedding_dim=8, feature_names=["item", "neg"], device_rows=0, host_rows=1000,
                         seed=3)
 
-    def run():
+    def run():  # rows created (the general lookup, two-call backward), then all resident (one call)
         tec = TieredEmbeddingCollection(SparseConfig(tables=[table]))
+        tec(_kjt(["item"], [list(range(150))])).get("item").values().square().sum().backward()
         return _train(tec, steps=12, seed=2, num_ids=100), _rows(tec)
 
     (loss_d, rows_d), called = run(), []
-    for name in ("fwd_lookup", "grad_accumulate", "apply_rows"):
+    names = ("fwd_lookup", "grad_accumulate", "apply_rows", "bwd_apply")
+    for name in names:
         op = getattr(torch.ops.genrec_sparse, name)
         monkeypatch.setattr(native, name, lambda *a, _op=op, _name=name: called.append(_name) or _op(*a))
     loss_o, rows_o = run()
-    assert set(called) == {"fwd_lookup", "grad_accumulate", "apply_rows"}
+    assert set(called) == set(names)
     assert loss_o == loss_d and sorted(rows_o) == sorted(rows_d)
     for i in rows_d:
         assert torch.equal(rows_o[i][0], rows_d[i][0]) and torch.equal(rows_o[i][1], rows_d[i][1])
