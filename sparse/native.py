@@ -120,25 +120,29 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 # (17 arguments), a few percent of a 16K-id training step.
 def fwd_lookup(tiers, index, ids, counts, serve_mask, expire_before, open_from, step, inv, uniq, cnt, loc,
                out, ref0, ref1, ref_max, hits) -> int:
-    return _lib.fwd_lookup(index, tiers.data_ptr(), ids.data_ptr(), _ptr(counts), ids.numel(), serve_mask,
-                           expire_before, open_from, step, inv.data_ptr(), uniq.data_ptr(), cnt.data_ptr(),
-                           loc.data_ptr(), _ptr(out), _ptr(ref0), _ptr(ref1), ref_max, _ptr(hits))
+    lib = _lib or load()
+    return lib.fwd_lookup(index, tiers.data_ptr(), ids.data_ptr(), _ptr(counts), ids.numel(), serve_mask,
+                          expire_before, open_from, step, inv.data_ptr(), uniq.data_ptr(), cnt.data_ptr(),
+                          loc.data_ptr(), _ptr(out), _ptr(ref0), _ptr(ref1), ref_max, _ptr(hits))
 
 
 def grad_accumulate(inv, grad, acc) -> None:
-    _lib.grad_accumulate(inv.data_ptr(), inv.numel(), grad.data_ptr(), grad.shape[1], acc.data_ptr())
+    lib = _lib or load()
+    lib.grad_accumulate(inv.data_ptr(), inv.numel(), grad.data_ptr(), grad.shape[1], acc.data_ptr())
 
 
 def apply_rows(tiers, loc, grad, optimizer, lr, eps, weight_decay, set_update, now) -> None:
-    if _lib.apply_rows(tiers.data_ptr(), loc.data_ptr(), loc.numel(), grad.data_ptr(), optimizer, lr, eps,
-                       weight_decay, set_update, now):
+    lib = _lib or load()
+    if lib.apply_rows(tiers.data_ptr(), loc.data_ptr(), loc.numel(), grad.data_ptr(), optimizer, lr, eps,
+                      weight_decay, set_update, now):
         raise MemoryError("genrec.sparse: the native optimizer step could not allocate its scratch row")
 
 
 def bwd_apply(tiers, inv, grad, loc, optimizer, lr, eps, weight_decay, set_update, now) -> None:
     """grad_accumulate then apply_rows in one native call, for a committed lookup's rows."""
-    if _lib.bwd_apply(tiers.data_ptr(), inv.data_ptr(), inv.numel(), grad.data_ptr(), loc.data_ptr(), loc.numel(),
-                      optimizer, lr, eps, weight_decay, set_update, now):
+    lib = _lib or load()
+    if lib.bwd_apply(tiers.data_ptr(), inv.data_ptr(), inv.numel(), grad.data_ptr(), loc.data_ptr(), loc.numel(),
+                     optimizer, lr, eps, weight_decay, set_update, now):
         raise MemoryError("genrec.sparse: the native backward could not allocate its scratch rows")
 
 
