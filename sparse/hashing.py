@@ -1,4 +1,5 @@
-"""Stable 64-bit hashing and a vectorized open-addressing hash map held in tensors.
+"""Stable 64-bit hashing and a vectorized open-addressing hash map held in tensors (and,
+on it, `ReferenceIndex`: the store's id index under kernels="reference").
 
 Everything here is plain torch int64 arithmetic (wrapping multiplication, masked
 logical shifts), so results are identical across processes, machines and world sizes:
@@ -230,3 +231,25 @@ class TensorHashMap:
         # Load in [1/4, 1/2) after a rehash: 32-64 bytes per live key, short probe chains.
         self._allocate(1 << max(4, (max(min_live, 1) * 2).bit_length()))
         self.insert_new(keys_L, values_L)
+
+
+class ReferenceIndex(TensorHashMap):
+    """The PyTorch id index (kernels="reference") behind native.NativeIndex's interface;
+    the tier descriptor those calls take is not needed here (keys are stored)."""
+
+    def get(self, ids_N: torch.Tensor, tiers=None) -> torch.Tensor:
+        return super().get(ids_N)
+
+    def insert(self, ids_N: torch.Tensor, loc_N: torch.Tensor, tiers=None) -> None:
+        self.insert_new(ids_N, loc_N)
+
+    def remove(self, ids_N: torch.Tensor, tiers=None) -> None:
+        slots_N = self.find_slots(ids_N)
+        self.remove_slots(slots_N[slots_N >= 0])
+
+    def items(self, tiers=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().items()
+
+    @property
+    def nbytes(self) -> int:
+        return (self.keys_C.numel() + self.values_C.numel()) * 8

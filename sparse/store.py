@@ -41,30 +41,8 @@ import torch
 from . import native, optim
 from .admission import PendingCounters
 from .config import TableConfig
-from .hashing import TensorHashMap, lowest_k, rank_order
+from .hashing import ReferenceIndex, lowest_k, rank_order
 from .tiers import META_FREQ, META_LAST_ACCESS, META_LAST_UPDATE, NUM_META, Tier
-
-
-class ReferenceIndex(TensorHashMap):
-    """The PyTorch id index (kernels="reference") behind native.NativeIndex's interface;
-    the tier descriptor those calls take is not needed here (keys are stored)."""
-
-    def get(self, ids_N: torch.Tensor, tiers=None) -> torch.Tensor:
-        return super().get(ids_N)
-
-    def insert(self, ids_N: torch.Tensor, loc_N: torch.Tensor, tiers=None) -> None:
-        self.insert_new(ids_N, loc_N)
-
-    def remove(self, ids_N: torch.Tensor, tiers=None) -> None:
-        slots_N = self.find_slots(ids_N)
-        self.remove_slots(slots_N[slots_N >= 0])
-
-    def items(self, tiers=None) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().items()
-
-    @property
-    def nbytes(self) -> int:
-        return (self.keys_C.numel() + self.values_C.numel()) * 8
 
 
 class _FusedGrad:
