@@ -474,7 +474,6 @@ class TableStore:
         moved or changed since (version unchanged), else the ids are located again."""
         self._close_step()
         fresh = locations is not None and locations[0] == self.version - 1
-        stamp = self.cfg.ttl_seconds is not None and now is not None
         if self.native_rows and self.cfg.optimizer in native.OPTIMIZERS:
             grad_AD = grad_AD.float().contiguous()
             if fresh and len(locations) == 2:  # a committed native lookup: every id has its row
