@@ -64,6 +64,11 @@ class ModelConfig:
     "in_batch" always does)."""
     full_softmax_max_items: int = 200_000
     """Largest corpus "full" accepts: above it, use "shared" with a large pool."""
+    mask_seen: bool = False
+    """With "full": the items of a position's own history (up to and including its event)
+    are no negatives of its softmax, except the target itself. Evaluation filters a user's
+    seen items out of the ranking, so the loss need not spend its gradient pushing them
+    below the unseen ones."""
     similarity: Literal["cosine", "dot"] = "cosine"
     """How a state scores an item in the retrieval softmax, at evaluation and at serving:
     "cosine" (both L2-normalized, the HSTU reference) or "dot" (raw inner product, as
@@ -94,6 +99,24 @@ def _normalize(x: torch.Tensor) -> torch.Tensor:
 def retrieval_vectors(x: torch.Tensor, similarity: str) -> torch.Tensor:
     """States or item rows as the retrieval head's inner product sees them (fp32)."""
     return _normalize(x) if similarity == "cosine" else x.float()
+
+
+def _seen_before(
+    item_ids_T: torch.Tensor, offsets_B1: torch.Tensor, src_P: torch.Tensor, target_ids_P: torch.Tensor,
+    corpus_N: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query index, corpus position) of every item in query p's history up to and including
+    its own event `src_P[p]`, except items equal to p's target: the `mask_seen` pairs."""
+    row_P = torch.searchsorted(offsets_B1, src_P, right=True) - 1
+    start_P = offsets_B1[row_P]
+    counts_P = src_P - start_P + 1
+    p_idx = torch.repeat_interleave(torch.arange(src_P.numel(), device=src_P.device), counts_P)
+    first = torch.cumsum(counts_P, 0) - counts_P
+    j = start_P[p_idx] + torch.arange(p_idx.numel(), device=src_P.device) - first[p_idx]
+    seen = item_ids_T[j]
+    pos, known = sorted_positions(corpus_N, seen)
+    keep = known & (seen != target_ids_P[p_idx])
+    return p_idx[keep], pos[keep]
 
 
 def interleave_jagged(
@@ -157,6 +180,9 @@ class GenerativeRecommender(nn.Module):
         if cfg.negatives in ("shared", "per_position") and cfg.num_negatives < 1:
             raise ValueError(f"model.num_negatives must be >= 1 with model.negatives = {cfg.negatives!r}, "
                              f"got {cfg.num_negatives}")
+        if cfg.mask_seen and (cfg.negatives != "full" or cfg.in_batch_negatives):
+            raise ValueError("model.mask_seen needs model.negatives = 'full' without model.in_batch_negatives, "
+                             f"got negatives = {cfg.negatives!r}, in_batch_negatives = {cfg.in_batch_negatives}")
         self.features = features
         self.cfg = cfg
         self.embeddings = embeddings
@@ -304,6 +330,9 @@ class GenerativeRecommender(nn.Module):
                 # 1 / temperature scales the queries, not the [queries, corpus] logits: the
                 # division over the logits and its backward were 7% of a Beauty step.
                 logits = (query * (1.0 / cfg.temperature)) @ vec(neg_rows).T
+                if cfg.mask_seen:
+                    p_idx, seen_pos = _seen_before(item_ids_T, offsets_B1, src, target_ids, self.item_corpus.to(device))
+                    logits = logits.index_put((p_idx, seen_pos), logits.new_tensor(float("-inf")))
                 return F.cross_entropy(logits, target_pos)
         positive = vec(item_rows_TD[tgt])
         pos_logit = (query * positive).sum(-1, keepdim=True)

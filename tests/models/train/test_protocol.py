@@ -142,6 +142,46 @@ def test_full_softmax_is_the_exact_cross_entropy_over_the_corpus(prepared, tmp_p
     torch.testing.assert_close(user, vec(states[last]), rtol=1e-5, atol=1e-6)
 
 
+def test_mask_seen_leaves_a_positions_own_history_out_of_its_softmax(prepared, tmp_path):
+    """model.mask_seen: each position's softmax runs over the corpus minus the items of its
+    row up to and including its own event, the target kept even when it repeats one of them;
+    a plain per-position loop is the reference, forward and backward."""
+    import torch.nn.functional as F
+
+    cfg, net = _model(prepared, tmp_path, negatives="full", temperature=0.5, mask_seen=True)
+    net.eval()
+    batch = _batch(cfg, prepared)
+    items = batch.history[cfg.data.features.item].values()
+    offsets = batch.history_offsets_B1.tolist()
+    # A repeated target: the second event of the first long row becomes its first item.
+    row = next(b for b in range(len(offsets) - 1) if offsets[b + 1] - offsets[b] >= 3)
+    items[offsets[row] + 2] = items[offsets[row]]
+    loss, _ = net(batch)
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    net.zero_grad()
+    states, _, _ = net.encode(batch)
+    corpus = F.normalize(net.item_rows(net.item_corpus), dim=-1)
+    terms, masked = [], 0
+    for b in range(len(offsets) - 1):
+        for t in range(offsets[b], offsets[b + 1] - 1):
+            target = int(items[t + 1])
+            seen = {int(i) for i in items[offsets[b]:t + 1]} - {target}
+            keep = [c for c, i in enumerate(net.item_corpus.tolist()) if i not in seen]
+            masked += len(net.item_corpus) - len(keep)
+            logits = F.normalize(states[t], dim=-1) @ corpus[keep].T / 0.5
+            terms.append(-F.log_softmax(logits, dim=0)[keep.index(int(torch.searchsorted(net.item_corpus, target)))])
+    expected = torch.stack(terms).mean()
+    assert masked > len(terms)  # the mask removed items, more than one per position on average
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-5)
+    expected.backward()
+    for n, p in net.named_parameters():
+        if n in got:
+            torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    with pytest.raises(ValueError, match="model.mask_seen needs model.negatives = 'full'"):
+        _model(prepared, tmp_path, negatives="shared", mask_seen=True)
+
+
 def test_contrastive_term_is_the_two_view_infonce(prepared, tmp_path):
     """model.contrastive_weight: the loss is the next-item loss of the first view plus the
     weighted symmetric InfoNCE of an independent transcription, positions of the same row
