@@ -332,7 +332,7 @@ class TableStore:
         if self.native_rows:
             u, done, _, _, _, loc_U, values_UD = self._native_lookup(ids_U, counts_U.contiguous(), now, out=True)
             if done:
-                self.last_locations = (self.version, loc_U)
+                self.last_locations = (self.moves, loc_U)
                 return values_UD, torch.ones_like(ids_U, dtype=torch.bool)
             return self._lookup_moving(ids_U, counts_U, loc_U & 3, loc_U >> 2, now)
         tier_U, slot_U = self._locate(ids_U)
@@ -469,11 +469,13 @@ class TableStore:
     def apply_grad(self, ids_A: torch.Tensor, grad_AD: torch.Tensor, now: int | None, locations=None) -> None:
         """One optimizer step on each row from its summed gradient, wherever it lives now.
 
-        `locations` from the forward's fast path: (version, loc_A) of a native lookup, or
-        (version, tier, slot_A, rows_AW) of the reference one; used only if no row has
-        moved or changed since (version unchanged), else the ids are located again."""
+        `locations` from the forward's fast path: (moves, loc_A) of a committed native lookup,
+        valid while no row has moved since (values are read in place, so another lookup's
+        optimizer step does not stale them), or (version, tier, slot_A, rows_AW) of the
+        reference one, valid only if no row has moved or changed since (its rows are copies);
+        otherwise the ids are located again."""
         self._close_step()
-        fresh = locations is not None and locations[0] == self.version - 1
+        fresh = locations is not None and locations[0] == (self.moves if len(locations) == 2 else self.version - 1)
         if self.native_rows and self.cfg.optimizer in native.OPTIMIZERS:
             grad_AD = grad_AD.float().contiguous()
             if fresh and len(locations) == 2:  # a committed native lookup: every id has its row

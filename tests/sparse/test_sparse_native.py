@@ -263,3 +263,34 @@ def test_native_slab_io_matches_the_per_slab_loop(tmp_path):
     assert torch.equal(tiers[True].rows.gather(probe), tiers[False].rows.gather(probe))
     assert torch.equal(tiers[True].meta.gather(probe), tiers[False].meta.gather(probe))
     assert torch.equal(tiers[True].rows.gather(slots), rows)
+
+
+def test_the_sharded_path_keeps_its_native_locations_across_the_other_lookups_step(monkeypatch):
+    """Several ranks look rows up through `lookup_train` and step them with `apply_grad`.
+    A step's two lookups (history, then negatives) are stepped last one first; the first
+    lookup's locations stay valid across the second's optimizer step (values are read in
+    place), so neither backward locates its rows again, and the rows equal those of steps
+    that do locate them again."""
+    table = TableConfig(name="t", embedding_dim=8, feature_names=["item"], seed=3, weight_decay=0.01)
+    g = torch.Generator().manual_seed(0)
+    steps = [(torch.randperm(100, generator=g)[:30], torch.randperm(100, generator=g)[:20]) for _ in range(5)]
+    rows = {}
+    for reuse in (True, False):
+        store = TieredEmbeddingCollection(SparseConfig(tables=[table])).stores["t"]
+        store.lookup_train(torch.arange(100), torch.ones(100, dtype=torch.int64), None)  # every row exists
+        store.apply_grad(torch.arange(100), torch.zeros(100, 8), None)
+        located = []
+        get = store.index.get
+        monkeypatch.setattr(store.index, "get", lambda *a: located.append(1) or get(*a))
+        for a, b in steps:
+            calls = []
+            for ids in (a.sort().values, b.sort().values):
+                vals, admitted = store.lookup_train(ids, torch.ones_like(ids), None)
+                assert bool(admitted.all())
+                calls.append((ids, vals, store.last_locations))
+            for ids, vals, loc in reversed(calls):
+                store.apply_grad(ids, (vals * 0.5 + 0.1).float(), None, loc if reuse else None)
+        assert (len(located) == 0) == reuse, f"{len(located)} backwards located their rows again"
+        ids, r, _ = store.all_rows()
+        rows[reuse] = r[ids.argsort()]
+    assert torch.equal(rows[True], rows[False])
