@@ -11,7 +11,8 @@ fixed thread count, evaluates the best-validation checkpoint once on the test sp
 
 `--quick` trains 2 epochs and validates on a subset: the same keys, in a few minutes.
 `GENREC_BENCH_SEED` sets the training seed (default 0): the README's figures are medians
-over seeds.
+over seeds. `GENREC_BENCH_THREADS` sets the training and scoring threads (default 2, the
+figure the 20-minute budget is stated for; the record says which ran).
 The Beauty file is `../shared/data/amazon-beauty/Beauty.txt` beside the repository, or
 `GENREC_BEAUTY_TXT`.
 """
@@ -50,7 +51,7 @@ def _seconds_to(records: list[dict], start: float, key: str, target: float) -> f
     return None
 
 
-def run(quick: bool = False, threads: int = 2, seed: int | None = None) -> dict:
+def run(quick: bool = False, threads: int | None = None, seed: int | None = None) -> dict:
     import warnings
 
     from genrec.models.config import JobConfig
@@ -59,11 +60,13 @@ def run(quick: bool = False, threads: int = 2, seed: int | None = None) -> dict:
     from genrec.models.train.trainer import run_training
 
     seed = int(os.environ.get("GENREC_BENCH_SEED", "0")) if seed is None else seed
+    threads = int(os.environ.get("GENREC_BENCH_THREADS", "2")) if threads is None else threads
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="genrec-bench-quality-") as tmp:
         root = Path(tmp)
-        overrides = [f'train.out_dir="{root / "run"}"', "train.tensorboard=false", f"train.seed={seed}"]
+        overrides = [f'train.out_dir="{root / "run"}"', "train.tensorboard=false", f"train.seed={seed}",
+                     f"train.num_threads={threads}"]
         if quick:
             overrides += ["train.num_epochs=2", "train.eval_max_users=4096", "train.early_stop_patience=0"]
         cfg = load_config(JobConfig, CONFIG, overrides)
