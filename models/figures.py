@@ -76,6 +76,8 @@ TABLES: dict[str, tuple[tuple[str, ...], list[tuple[str, str, str | None]]]] = {
         ("`scaling_2rank_vs_1rank`", "scaling_2rank_vs_1rank", ">= 1.7"),
         ("ms per step, 1 rank", "per_step_ms_1rank.step", None),
         ("ms per step, 2 ranks", "per_step_ms_2rank.step", None),
+        ("ms per step off the CPU (waiting, preempted), 1 rank", "per_step_ms_1rank.waiting", None),
+        ("ms per step off the CPU (waiting for the other rank, preempted), 2 ranks", "per_step_ms_2rank.waiting", None),
         ("2 ranks, under the profiler: all-to-all spans, ms per step", "per_step_ms_2rank.alltoall", None),
         ("2 ranks, under the profiler: DDP all-reduce spans (beside the backward)", "per_step_ms_2rank.allreduce", None),
         ("2 ranks, under the profiler: the rest of the step", "per_step_ms_2rank.compute", None),

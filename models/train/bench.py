@@ -91,7 +91,7 @@ def _time_one_rank(cfg, steps: int) -> dict:
     batches = _cycle(trainer.loader)
     trainer.train_step(next(batches))  # warm-up
     sparse_s[0], flops, samples, tokens = 0.0, 0.0, 0, 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     for _ in range(steps):
         batch = next(batches)
         trainer.train_step(batch)
@@ -99,7 +99,8 @@ def _time_one_rank(cfg, steps: int) -> dict:
         samples += batch.batch_size
         tokens += batch.num_tokens
     elapsed = time.perf_counter() - t0
-    return {"seconds": elapsed, "samples": samples, "tokens": tokens, "flops": flops, "sparse_forward_s": sparse_s[0]}
+    return {"seconds": elapsed, "cpu_seconds": time.thread_time() - cpu0, "samples": samples, "tokens": tokens,
+            "flops": flops, "sparse_forward_s": sparse_s[0]}
 
 
 _TWO_RANKS = """
@@ -113,10 +114,10 @@ cfg = load_config(JobConfig, sys.argv[1], json.loads(sys.argv[2]))
 trainer = Trainer(cfg, init_distributed())
 batches = _cycle(trainer.loader)
 trainer.train_step(next(batches))
-t0 = time.perf_counter(); samples = 0
+t0, cpu0 = time.perf_counter(), time.thread_time(); samples = 0
 for _ in range(int(sys.argv[3])):
     batch = next(batches); trainer.train_step(batch); samples += batch.batch_size
-seconds = time.perf_counter() - t0
+seconds, cpu_seconds = time.perf_counter() - t0, time.thread_time() - cpu0
 # A few more steps under the profiler: the gloo collectives' spans (waiting for the other
 # rank included; DDP's all-reduce runs beside the backward).
 from torch.profiler import ProfilerActivity, profile
@@ -131,7 +132,8 @@ for e in prof.events():
     if e.name.startswith("gloo:") and e.name[5:] in spans:
         spans[e.name[5:]] += e.cpu_time_total / 1e3
 if trainer.dist.rank == 0:
-    print(json.dumps({"seconds": seconds, "samples_rank0": samples, "profiled_step_ms": 1e3 * profiled_s / profiled,
+    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "samples_rank0": samples,
+                      "profiled_step_ms": 1e3 * profiled_s / profiled,
                       "alltoall_ms": spans["all_to_all"] / profiled, "allreduce_ms": spans["all_reduce"] / profiled}))
 """
 
@@ -205,13 +207,19 @@ def run(quick: bool = False) -> dict:
             "dense_compute_and_optimizer": 1.0 - sparse_share,
             "communication_2rank": comm_share,
         },
-        # Per step of rank 0 under the profiler (which slows every op a little): the spans of
-        # the store's all-to-alls and DDP's all-reduce, and the rest ("compute").
-        "per_step_ms_2rank": {"step": 1e3 * per_step_2, "profiled_step": two["profiled_step_ms"],
+        # Per step of rank 0: the training thread's CPU time and the rest of the step, which it
+        # spends off the CPU, waiting for the other rank in a collective or preempted ("waiting";
+        # measured without the profiler). Then, under the profiler (which slows the 2-rank step
+        # by a third here, and its per-op times are not to be trusted on 2 busy cores), the spans
+        # of the store's all-to-alls and DDP's all-reduce, and the rest ("compute").
+        "per_step_ms_2rank": {"step": 1e3 * per_step_2, "cpu": 1e3 * two["cpu_seconds"] / steps,
+                              "waiting": 1e3 * (two["seconds"] - two["cpu_seconds"]) / steps,
+                              "profiled_step": two["profiled_step_ms"],
                               "alltoall": two["alltoall_ms"], "allreduce": two["allreduce_ms"],
                               "compute": two["profiled_step_ms"] - two["alltoall_ms"]},
-        "per_step_ms_1rank": {"step": 1e3 * per_step_1, "alltoall": 0.0, "allreduce": 0.0,
-                              "compute": 1e3 * per_step_1},
+        "per_step_ms_1rank": {"step": 1e3 * per_step_1, "cpu": 1e3 * one["cpu_seconds"] / steps,
+                              "waiting": 1e3 * (one["seconds"] - one["cpu_seconds"]) / steps,
+                              "alltoall": 0.0, "allreduce": 0.0, "compute": 1e3 * per_step_1},
         "steps": steps,
         "threads_per_rank": 1,
     }
