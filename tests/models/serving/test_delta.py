@@ -132,10 +132,22 @@ def test_a_server_applies_a_delta_while_serving(versions):
             for t in threads:
                 t.join()
             assert c.get("/healthz").json()["model_version"] == "v2"
-    # Every answer is one version's answer, whole.
+    # Every answer is one version's answer, whole. Within 1e-5, as a request batched with
+    # another is answered (test_serving's batched-vs-single contract): the batch runs its
+    # GEMMs at another shape, and some CPUs' kernels then round the last bit differently
+    # (measured: a click probability 0.75380373 batched, 0.75380361 alone).
     assert {v for v, _, _ in seen} == {"v1", "v2"}
+    assert any(not _same_answer(a, b) for a, b in zip(want["v1"], want["v2"])), "the delta must change answers"
     for v, i, items in seen:
-        assert items == want[v][i], (v, i)
+        assert _same_answer(items, want[v][i]), (v, i)
+
+
+def _same_answer(a: list[dict], b: list[dict], tol: float = 1e-5) -> bool:
+    """The same items in the same order, every score and probability within `tol`."""
+    def numbers(item: dict) -> list[float]:
+        return [item["score"], item["retrieval_score"], *item["probabilities"].values()]
+    return [x["item_id"] for x in a] == [x["item_id"] for x in b] and all(
+        abs(p - q) <= tol for x, y in zip(a, b) for p, q in zip(numbers(x), numbers(y)))
 
 
 def test_patches_merge_with_the_later_delta_winning():
