@@ -29,7 +29,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from genrec.data.batch import Batch
 from genrec.data.config import FeatureSpec
-from genrec.models.ids import sorted_positions
+from genrec.models.ids import jagged_ranges, sorted_positions
 
 
 @dataclass(kw_only=True)
@@ -111,9 +111,7 @@ def _seen_before(
     start_P = offsets_B1[row_P]
     counts_P = src_P - start_P + 1
     p_idx = torch.repeat_interleave(torch.arange(src_P.numel(), device=src_P.device), counts_P)
-    first = torch.cumsum(counts_P, 0) - counts_P
-    j = start_P[p_idx] + torch.arange(p_idx.numel(), device=src_P.device) - first[p_idx]
-    seen = item_ids_T[j]
+    seen = item_ids_T[jagged_ranges(start_P, counts_P)]
     pos, known = sorted_positions(corpus_N, seen)
     keep = known & (seen != target_ids_P[p_idx])
     return p_idx[keep], pos[keep]

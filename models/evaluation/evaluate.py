@@ -80,7 +80,7 @@ from genrec.models.evaluation.slices import (
 from genrec.models.model import GenerativeRecommender, interleave_jagged
 from genrec.models.evaluation.report import collect_versions, write_report
 from genrec.models.evaluation.validation import target_ranks
-from genrec.models.ids import sorted_positions
+from genrec.models.ids import jagged_ranges, sorted_positions
 
 EVAL_KS = (10, 50, 200)
 """Retrieval cutoffs."""
@@ -204,13 +204,6 @@ def check_features(scored: _Scored, data: FeatureSpec, manifest_path: Path) -> N
 # --------------------------------------------------------------------------- jagged rows
 
 
-def _ranges(starts_B: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
-    """Concatenated aranges [s, s + n) per row."""
-    offsets_B1 = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths_B)
-    total = int(offsets_B1[-1])
-    return torch.repeat_interleave(starts_B - offsets_B1[:-1], lengths_B, output_size=total) + torch.arange(total)
-
-
 def _events(kjt: KeyedJaggedTensor, ts_T: torch.Tensor, keys: list[str]) -> dict[str, torch.Tensor]:
     """{feature: values [T], "ts": [T]}: the flat, row-major values of a KJT's keys."""
     return {**{k: kjt[k].values() for k in keys}, TS: ts_T}
@@ -224,7 +217,7 @@ def _keep_last(events: dict[str, torch.Tensor], lengths_B: torch.Tensor, n: int)
     """The most recent `n` events of each row: (events, lengths_B)."""
     keep_B = lengths_B.clamp(max=n)
     ends_B = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths_B)[1:]
-    return _take(events, _ranges(ends_B - keep_B, keep_B)), keep_B
+    return _take(events, jagged_ranges(ends_B - keep_B, keep_B)), keep_B
 
 
 def _concat_rows(a: dict[str, torch.Tensor], a_len_B: torch.Tensor, b: dict[str, torch.Tensor], b_len_B: torch.Tensor):
