@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .bias import time_thresholds
 
@@ -74,6 +75,8 @@ def library() -> ctypes.CDLL | None:
     lib.hstu_time_index.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p]
     lib.hstu_tile_fwd.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_int]
+    lib.hstu_attn_fwd.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.hstu_tile_bwd.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
@@ -125,6 +128,21 @@ def time_index(ts_GN: torch.Tensor, num_buckets: int, divisor: float,
 def tile_forward(args: TileArgs, s: torch.Tensor, a: torch.Tensor) -> None:
     assert s.is_contiguous() and a.is_contiguous()
     library().hstu_tile_fwd(ctypes.byref(args), s.data_ptr(), _bf(s), a.data_ptr(), _bf(a))
+
+
+def attention_forward(args: TileArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The whole attention of fp32 queries q [G, H, bq, dq] (rows i0.. of `args`) against
+    keys k [G, H, K, dq] and values v [G, H, K, dv] in one native pass, no [N, N] tile:
+    [G, H, bq, dv], not yet scaled by the normalizer."""
+    G, H, bq, dq = q.shape
+    K, dv = v.shape[-2:]
+    k8 = (K + 7) // 8 * 8
+    # keys in blocks of 8, [G, H, K8 / 8, dq, 8]: 8 scores per vector instruction
+    kb = F.pad(k, (0, 0, 0, k8 - K)).view(G, H, k8 // 8, 8, dq).transpose(-1, -2).contiguous()
+    q, v = q.contiguous(), v.contiguous()
+    out = torch.empty(G, H, bq, dv, dtype=torch.float32)
+    library().hstu_attn_fwd(ctypes.byref(args), dq, dv, q.data_ptr(), kb.data_ptr(), v.data_ptr(), out.data_ptr())
+    return out
 
 
 def tile_backward(args: TileArgs, s, da, a, ds, d_ts, d_pos) -> None:

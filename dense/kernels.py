@@ -250,6 +250,12 @@ class _HSTUChunkedFn(torch.autograd.Function):
             bq = _block_rows(G, H, N, p)
             inv_n = _inv_n_GN(bucket, p)
             fused = _fused_state(q, k, v, ts_w, pos_w, bucket, p)
+            if fused is not None and q.dtype == k.dtype == v.dtype == torch.float32:
+                # fp32: the whole forward in one native pass (the backward recomputes the tiles)
+                out = _scale_rows(_fused.attention_forward(fused(0, N), q, k, v), inv_n, 0, N)
+                ctx.save_for_backward(q, k, v, ts_w, pos_w)
+                ctx.bucket, ctx.p = bucket, p
+                return out
             out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             for i0 in range(0, N, bq):
                 i1 = min(N, i0 + bq)
@@ -427,10 +433,13 @@ def hstu_target_attention_fused(q_BHMd, k_BHMd, v_BHMd, cache_k_BHLd, cache_v_BH
                             ts_w=ts_w32, pos_w=pos_w32, pos=pos, hist=hist, alpha=p.alpha,
                             divisor=p.time_bucket_divisor)
     with torch.autocast("cpu", enabled=False):
-        s = torch.matmul(q_BHMd.to(dtype), keys.transpose(-1, -2))
-        a = torch.empty(s.shape, dtype=dtype)
-        _fused.tile_forward(args, s, a)
-        out = torch.matmul(a, values)
+        if dtype == torch.float32:
+            out = _fused.attention_forward(args, q_BHMd.float(), keys, values)
+        else:
+            s = torch.matmul(q_BHMd.to(dtype), keys.transpose(-1, -2))
+            a = torch.empty(s.shape, dtype=dtype)
+            _fused.tile_forward(args, s, a)
+            out = torch.matmul(a, values)
     if p.normalizer == "max_seq_len":
         return out / p.max_seq_len
     if p.normalizer == "num_keys":

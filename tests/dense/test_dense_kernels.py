@@ -150,6 +150,70 @@ def test_fused_time_index_equals_reference_bucketing():
     assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
+def test_fused_time_index_runs_agree_with_the_formula_pair_by_pair():
+    """Over a sorted history the index is built from runs of equal buckets (binary searches
+    for the thresholds), elsewhere pair by pair: both must give the formula's bucket for every
+    pair, with repeated times, gaps past the last bucket, zero padding after the history,
+    an unsorted row and query times before, inside and after the history."""
+    g = torch.Generator().manual_seed(11)
+    G, N, NB = 4, 257, 40
+    gaps = torch.randint(0, 3, (G, N), generator=g) * torch.randint(1, 10**5, (G, N), generator=g)
+    ts = torch.cumsum(gaps, 1)                      # sorted, many repeats
+    ts[1, 100:] += 10**12                           # a gap beyond the last bucket
+    ts[2, 200:] = 0                                 # padding after a history of 200
+    ts[3] = torch.randint(0, 10**6, (N,), generator=g)  # not sorted at all
+    # Row 0: keys exactly at, one below and one above every bucket threshold away from a
+    # query time of 10**13, on both sides of it (where the runs begin and end).
+    thr = fused.time_thresholds(NB, 0.301)[1:NB + 1]
+    d = torch.unique(torch.cat([torch.zeros(1, dtype=torch.long), thr - 1, thr, thr + 1]).clamp(0, 2**40))
+    row = torch.cat([10**13 - d.flip(0), 10**13 + d[1:]])
+    ts[0] = torch.cat([row, torch.full((N - row.numel(),), 10**13 + 2**41)])
+    qts = ts.clone()
+    qts[:, ::3] += torch.randint(-10**7, 10**7, (G, (N + 2) // 3), generator=g)
+    qts[0] = 10**13
+    qts[0, 5] = -(2**40)
+    for query in (None, qts):
+        got = fused.time_index(ts, NB, 0.301, query).long()
+        q = ts if query is None else query
+        want = (torch.log((q[:, :, None] - ts[:, None, :]).abs().clamp(min=1).float()) / 0.301).long().clamp(0, NB)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
+@pytest.mark.parametrize("num_targets", [None, [1, 0, 1, 3, 0, 2, 0, 0, 22]])
+def test_one_pass_native_forward_matches_reference_for_any_head_dims(num_targets, monkeypatch):
+    """fp32 runs the whole forward in one native pass (no [N, N] tile): it must match the
+    float64 reference with query/key and value dims that are not multiples of the vector
+    width and differ from each other, give the same bits on 1 and 2 threads, and actually run."""
+    lengths = SKEWED + [60]
+    g = torch.Generator().manual_seed(5)
+    off = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    T = int(off[-1])
+    ts = torch.cumsum(torch.randint(0, 5000, (T,), generator=g), 0) - 100 * (torch.arange(T) % 7 == 3)
+    q, k = (torch.randn(T, 3, 12, dtype=torch.float64, generator=g) for _ in range(2))
+    v = torch.randn(T, 3, 20, dtype=torch.float64, generator=g)
+    ts_w, pos_w = torch.randn(13, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
+    nt = None if num_targets is None else torch.tensor(num_targets + [9])
+    layout = make_layout(off, ts, nt, 64)
+    ref = hstu_attention_reference(q, k, v, layout, ts_w, pos_w, params("num_keys"))
+    calls = []
+    real = fused.attention_forward
+    monkeypatch.setattr(fused, "attention_forward", lambda *a: calls.append(1) or real(*a))
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(hstu_attention_chunked(q.float(), k.float(), v.float(), make_layout(off, ts, nt, 64),
+                                               ts_w.float(), pos_w.float(), params("num_keys")))
+    finally:
+        torch.set_num_threads(threads)
+    assert calls
+    torch.testing.assert_close(outs[0].double(), ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_native_tile_is_built_and_keeps_subnormals():
     """The install command built the tile (no silent PyTorch fallback), and loading it
     does not switch the process to flush-to-zero (as a -ffast-math link would)."""
