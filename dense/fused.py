@@ -77,6 +77,7 @@ def library() -> ctypes.CDLL | None:
                                   ctypes.c_void_p, ctypes.c_int]
     lib.hstu_attn_fwd.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.hstu_attn_bwd.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 10
     lib.hstu_tile_bwd.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
@@ -130,19 +131,42 @@ def tile_forward(args: TileArgs, s: torch.Tensor, a: torch.Tensor) -> None:
     library().hstu_tile_fwd(ctypes.byref(args), s.data_ptr(), _bf(s), a.data_ptr(), _bf(a))
 
 
+def key_blocks(k: torch.Tensor) -> torch.Tensor:
+    """[G, H, K, d] -> [G, H, K8 / 8, d, 8] (K8: K rounded up to 8, zero padded): 8 keys'
+    scores are then one vector instruction per feature over contiguous memory."""
+    G, H, K, d = k.shape
+    k8 = (K + 7) // 8 * 8
+    return F.pad(k, (0, 0, 0, k8 - K)).view(G, H, k8 // 8, 8, d).transpose(-1, -2).contiguous()
+
+
 def attention_forward(args: TileArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The whole attention of fp32 queries q [G, H, bq, dq] (rows i0.. of `args`) against
     keys k [G, H, K, dq] and values v [G, H, K, dv] in one native pass, no [N, N] tile:
     [G, H, bq, dv], not yet scaled by the normalizer."""
     G, H, bq, dq = q.shape
-    K, dv = v.shape[-2:]
-    k8 = (K + 7) // 8 * 8
-    # keys in blocks of 8, [G, H, K8 / 8, dq, 8]: 8 scores per vector instruction
-    kb = F.pad(k, (0, 0, 0, k8 - K)).view(G, H, k8 // 8, 8, dq).transpose(-1, -2).contiguous()
-    q, v = q.contiguous(), v.contiguous()
+    dv = v.shape[-1]
+    kb, q, v = key_blocks(k), q.contiguous(), v.contiguous()
     out = torch.empty(G, H, bq, dv, dtype=torch.float32)
     library().hstu_attn_fwd(ctypes.byref(args), dq, dv, q.data_ptr(), kb.data_ptr(), v.data_ptr(), out.data_ptr())
     return out
+
+
+def attention_backward(args: TileArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                       d_ts: torch.Tensor | None, d_pos: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole attention backward of fp32 q, k [G, H, N, dq], v [G, H, N, dv] in one native
+    pass (every row a query, `args` with bq = K = N): (dq, dk, dv) for dout [G, H, N, dv]
+    already scaled by the normalizer; adds the bias gradients to the float64 d_ts / d_pos."""
+    G, H, N, dq = q.shape
+    dv = v.shape[-1]
+    kb, vb = key_blocks(k), key_blocks(v)
+    q, k, dout = q.contiguous(), k.contiguous(), dout.contiguous()
+    dq_out, dk_out = torch.empty(G, H, N, dq), torch.empty(G, H, N, dq)
+    dv_out = torch.empty(G, H, N, dv)
+    library().hstu_attn_bwd(ctypes.byref(args), dq, dv, q.data_ptr(), kb.data_ptr(), vb.data_ptr(), k.data_ptr(),
+                            dout.data_ptr(), dq_out.data_ptr(), dk_out.data_ptr(), dv_out.data_ptr(),
+                            _ptr(d_ts), _ptr(d_pos))
+    return dq_out, dk_out, dv_out
 
 
 def tile_backward(args: TileArgs, s, da, a, ds, d_ts, d_pos) -> None:

@@ -211,15 +211,21 @@ def _own_or(query_ts: torch.Tensor, ts: torch.Tensor) -> torch.Tensor | None:
     return None if query_ts is ts else query_ts.contiguous()
 
 
+def _one_pass(q, k, v) -> bool:
+    """fp32 runs the native one-pass kernels (fused.attention_forward / _backward_rows)."""
+    return q.dtype == k.dtype == v.dtype == torch.float32
+
+
 def _fused_state(q, k, v, ts_w, pos_w, bucket, p):
-    """A tile -> fused.TileArgs factory when the fused C tile applies, else None."""
+    """A tile -> fused.TileArgs factory when the fused C tile applies, else None. The
+    one-pass kernels find time buckets themselves (runs over sorted histories): no index."""
     if not (p.fused and _fused.supports(q, k, v, ts_w, pos_w)):
         return None
     G, H, N, _ = q.shape
     keep = dict(  # held by the closure so the raw pointers stay valid
         ts=None if ts_w is None else bucket.timestamps_GN.contiguous(),
         qts=None if ts_w is None else _own_or(bucket.query_timestamps_GN, bucket.timestamps_GN),
-        tidx=None if ts_w is None else _fused_time_index(bucket, p),
+        tidx=None if ts_w is None or _one_pass(q, k, v) else _fused_time_index(bucket, p),
         thr=time_thresholds(p.num_time_buckets, p.time_bucket_divisor),
         ts_w=None if ts_w is None else ts_w.detach().float().contiguous(),
         pos_w=None if pos_w is None else pos_w.detach().float().contiguous(),
@@ -250,7 +256,7 @@ class _HSTUChunkedFn(torch.autograd.Function):
             bq = _block_rows(G, H, N, p)
             inv_n = _inv_n_GN(bucket, p)
             fused = _fused_state(q, k, v, ts_w, pos_w, bucket, p)
-            if fused is not None and q.dtype == k.dtype == v.dtype == torch.float32:
+            if fused is not None and _one_pass(q, k, v):
                 # fp32: the whole forward in one native pass (the backward recomputes the tiles)
                 out = _scale_rows(_fused.attention_forward(fused(0, N), q, k, v), inv_n, 0, N)
                 ctx.save_for_backward(q, k, v, ts_w, pos_w)
@@ -291,6 +297,11 @@ class _HSTUChunkedFn(torch.autograd.Function):
             if fused is not None:  # the C tile sums bias grads in float64
                 d_ts64 = None if ts_w is None else torch.zeros(ts_w.shape, dtype=torch.float64)
                 d_pos64 = None if pos_w is None else torch.zeros(pos_w.shape, dtype=torch.float64)
+            if fused is not None and _one_pass(q, k, v):  # the whole backward natively, one pass
+                dq, dk, dv = _fused.attention_backward(fused(0, N), q, k, v, _scale_rows(dout, inv_n, 0, N),
+                                                       d_ts64, d_pos64)
+                return (dq, dk, dv, None if ts_w is None else d_ts64.to(ts_w.dtype),
+                        None if pos_w is None else d_pos64.to(pos_w.dtype), None, None)
             for i0 in range(0, N, bq):
                 i1 = min(N, i0 + bq)
                 q_blk, k_blk, v_blk = q[:, :, i0:i1], k[:, :, :i1], v[:, :, :i1]

@@ -76,29 +76,135 @@ static int64_t search_sorted(const int64_t *ts, int64_t lo, int64_t hi, int64_t 
   return lo;
 }
 
-/* out[j] = time_bucket(ti, ts[j]) for j in [0, n). Over a sorted prefix [0, sorted_n) |ti - ts[j]|
- * falls, then rises, so its buckets come in runs: each run's end is a binary search for the
- * next threshold instead of a logarithm per pair (a row of N keys costs O(buckets log N)). */
-static void time_bucket_row(const tile_args *t, int64_t ti, const int64_t *ts, int64_t n, int64_t sorted_n,
-                            int32_t *out) {
-  const int64_t m = sorted_n < n ? sorted_n : n;
+/* Buckets of |ti - ts[j]| over a sorted ts[0, m) as runs: run k is [start[k], start[k + 1])
+ * with bucket[k]; returns the number of runs (start[runs] = m). |ti - ts[j]| falls, then
+ * rises, so each run's end is a binary search for the next threshold instead of a logarithm
+ * per pair: a row of N keys costs O(buckets log N). At most 2 (NB + 1) runs. */
+static int64_t time_runs(const tile_args *t, int64_t ti, const int64_t *ts, int64_t m, int64_t *start,
+                         int32_t *bucket) {
+  int64_t runs = 0;
   const int64_t p = search_sorted(ts, 0, m, ti, 1);  /* ts[j] <= ti before p, > ti from p */
   for (int64_t j = 0; j < p;) {  /* dt = ti - ts[j] >= 0, non-increasing */
     const int b = time_bucket(t, ti, ts[j]);
     /* the run ends where dt < thr[b] (thr[b] <= dt here, so ti - thr[b] cannot overflow) */
     const int64_t e = b == 0 ? p : search_sorted(ts, j + 1, p, ti - t->thr[b], 1);
-    for (int64_t k = j; k < e; ++k) out[k] = b;
+    start[runs] = j; bucket[runs++] = b;
     j = e;
   }
   for (int64_t j = p; j < m;) {  /* dt = ts[j] - ti > 0, non-decreasing */
     const int b = time_bucket(t, ti, ts[j]);
     const int64_t next = t->thr[b + 1];  /* INT64_MAX past the last reachable bucket */
     const int64_t e = (b == t->NB || (ti > 0 && next > INT64_MAX - ti)) ? m : search_sorted(ts, j + 1, m, ti + next, 0);
-    for (int64_t k = j; k < e; ++k) out[k] = b;
+    start[runs] = j; bucket[runs++] = b;
     j = e;
   }
+  start[runs] = m;
+  return runs;
+}
+
+/* out[j] = time_bucket(ti, ts[j]) for j in [0, n), ts sorted over [0, sorted_n) (runs there). */
+static void time_bucket_row(const tile_args *t, int64_t ti, const int64_t *ts, int64_t n, int64_t sorted_n,
+                            int32_t *out, int64_t *start, int32_t *bucket) {
+  const int64_t m = sorted_n < n ? sorted_n : n;
+  const int64_t runs = time_runs(t, ti, ts, m, start, bucket);
+  for (int64_t k = 0; k < runs; ++k)
+    for (int64_t j = start[k]; j < start[k + 1]; ++j) out[j] = bucket[k];
 #pragma omp simd
   for (int64_t j = m; j < n; ++j) out[j] = time_bucket(t, ti, ts[j]);
+}
+
+/* Per-thread scratch of the bias of one query row's visible keys (see visible_bias). */
+typedef struct {
+  int64_t n, m, runs, pi, linear;
+  int64_t *start;   /* [2 NB + 3] run starts */
+  int32_t *bucket;  /* [2 NB + 2] run buckets */
+  int32_t *trow;    /* time bucket per key past the sorted prefix */
+  int32_t *rrow;    /* position index per key where positions are not 0, 1, 2, ... */
+} row_plan;
+
+static row_plan plan_alloc(const tile_args *t, int64_t K) {
+  row_plan rp = {0};
+  rp.start = malloc(sizeof(int64_t) * (size_t)(2 * t->NB + 4));
+  rp.bucket = malloc(sizeof(int32_t) * (size_t)(2 * t->NB + 4));
+  rp.trow = malloc(sizeof(int32_t) * (size_t)(K + 8));
+  rp.rrow = malloc(sizeof(int32_t) * (size_t)(K + 8));
+  return rp;
+}
+static void plan_free(row_plan *rp) { free(rp->start); free(rp->bucket); free(rp->trow); free(rp->rrow); }
+
+/* brow[j] = rab of (query i, key j) for the n visible keys [0, n) of row g, shared by the
+ * heads. Where the keys' positions are 0, 1, 2, ... (lin_n: how many of row g's are) the
+ * position bias is a reversed slice of pos_w; where its times are sorted (sorted_n) the
+ * time bias is a run of equal values per bucket: no gather per pair in either case. */
+static void visible_bias(const tile_args *t, int64_t g, int64_t i, int64_t n, int64_t sorted_n, int64_t lin_n,
+                         float *brow, row_plan *rp) {
+  const int64_t N = t->N, P = t->P;
+  rp->n = n;
+  rp->linear = n <= lin_n;
+  rp->pi = t->pos[g * N + i];
+  if (!t->pos_w) {
+    for (int64_t j = 0; j < n; ++j) brow[j] = 0.f;
+  } else if (rp->linear) {  /* r = pi - j, clamped to [0, P - 1] */
+    const int64_t pi = rp->pi, lo = pi - P + 1 > 0 ? (pi - P + 1 < n ? pi - P + 1 : n) : 0;
+    const int64_t hi = pi + 1 < n ? (pi + 1 > lo ? pi + 1 : lo) : n;
+    for (int64_t j = 0; j < lo; ++j) brow[j] = t->pos_w[P - 1];
+    for (int64_t j = lo; j < hi; ++j) brow[j] = t->pos_w[pi - j];
+    for (int64_t j = hi; j < n; ++j) brow[j] = t->pos_w[0];
+  } else {
+    const int64_t *pos = t->pos + g * N;
+    for (int64_t j = 0; j < n; ++j) {
+      int64_t r = rp->pi - pos[j];
+      r = r < 0 ? 0 : (r > P - 1 ? P - 1 : r);
+      rp->rrow[j] = (int32_t)r;
+      brow[j] = t->pos_w[r];
+    }
+  }
+  rp->m = rp->runs = 0;
+  if (!t->ts) return;
+  const int64_t *ts = t->ts + g * N, ti = query_time(t, g, i);
+  if (t->tidx) {  /* a precomputed index: read it */
+    const uint8_t *tb = t->tidx + (g * N + i) * N;
+    for (int64_t j = 0; j < n; ++j) { rp->trow[j] = tb[j]; brow[j] += t->ts_w[tb[j]]; }
+    return;
+  }
+  rp->m = sorted_n < n ? sorted_n : n;
+  rp->runs = time_runs(t, ti, ts, rp->m, rp->start, rp->bucket);
+  for (int64_t k = 0; k < rp->runs; ++k) {
+    const float w = t->ts_w[rp->bucket[k]];
+    for (int64_t j = rp->start[k]; j < rp->start[k + 1]; ++j) brow[j] += w;
+  }
+  for (int64_t j = rp->m; j < n; ++j) {
+    const int b = time_bucket(t, ti, ts[j]);
+    rp->trow[j] = b;
+    brow[j] += t->ts_w[b];
+  }
+}
+
+/* The bias gradients of one row: lts[bucket] / lpos[r] += sum of drow over its pairs. */
+static void visible_bias_grad(const tile_args *t, const row_plan *rp, const float *drow, double *lts,
+                              double *lpos) {
+  const int64_t n = rp->n, P = t->P;
+  if (lts) {
+    for (int64_t k = 0; k < rp->runs; ++k) {
+      double acc = 0.0;
+      for (int64_t j = rp->start[k]; j < rp->start[k + 1]; ++j) acc += drow[j];
+      lts[rp->bucket[k]] += acc;
+    }
+    for (int64_t j = rp->m; j < n; ++j) lts[rp->trow[j]] += drow[j];
+  }
+  if (!lpos) return;
+  if (rp->linear) {
+    const int64_t pi = rp->pi, lo = pi - P + 1 > 0 ? (pi - P + 1 < n ? pi - P + 1 : n) : 0;
+    const int64_t hi = pi + 1 < n ? (pi + 1 > lo ? pi + 1 : lo) : n;
+    double far = 0.0, ahead = 0.0;
+    for (int64_t j = 0; j < lo; ++j) far += drow[j];
+    for (int64_t j = lo; j < hi; ++j) lpos[pi - j] += drow[j];
+    for (int64_t j = hi; j < n; ++j) ahead += drow[j];
+    lpos[P - 1] += far;
+    lpos[0] += ahead;
+  } else {
+    for (int64_t j = 0; j < n; ++j) lpos[rp->rrow[j]] += drow[j];
+  }
 }
 
 /* Per (row, query) bias over all keys, shared by the heads: brow = rab, mrow = 0/1 mask,
@@ -107,7 +213,7 @@ static void time_bucket_row(const tile_args *t, int64_t ti, const int64_t *ts, i
  * thresholds thr[b] = smallest |dt| of bucket >= b (thr[0] = 0, thr[NB + 1] = INT64_MAX,
  * computed in Python with the reference formula) correct it by one step either way. */
 static void row_bias(const tile_args *t, int64_t g, int64_t i, float *brow, float *mrow,
-                     int32_t *rrow, int32_t *trow, int64_t sorted_n) {
+                     int32_t *rrow, int32_t *trow) {
   /* keys after the query are always masked (causal): only j <= i is looked at */
   const int64_t K = t->K < i + 1 ? t->K : i + 1, N = t->N, h = t->hist[g];
   const int64_t *pos = t->pos + g * N;
@@ -134,8 +240,14 @@ static void row_bias(const tile_args *t, int64_t g, int64_t i, float *brow, floa
       brow[j] += t->ts_w[tb[j]];
     }
   } else if (t->ts) {
-    time_bucket_row(t, query_time(t, g, i), t->ts + g * N, K, sorted_n, trow);
-    for (int64_t j = 0; j < K; ++j) brow[j] += t->ts_w[trow[j]];
+    const int64_t *ts = t->ts + g * N;
+    const int64_t ti = query_time(t, g, i);
+#pragma omp simd
+    for (int64_t j = 0; j < K; ++j) {
+      const int b = time_bucket(t, ti, ts[j]);
+      trow[j] = b;
+      brow[j] += t->ts_w[b];
+    }
   }
 }
 
@@ -167,7 +279,7 @@ void hstu_tile_fwd(const tile_args *t, const void *s, int s_bf, void *a, int a_b
     for (int64_t g = 0; g < t->G; ++g)
       for (int64_t r = 0; r < t->bq; ++r) {
         const int64_t i = t->i0 + r, Kc = K < i + 1 ? K : i + 1;
-        row_bias(t, g, i, brow, mrow, rrow, trow, 0);
+        row_bias(t, g, i, brow, mrow, rrow, trow);
         for (int64_t j = Kc; j < K; ++j) xrow[j] = 0.f;
         for (int64_t hh = 0; hh < t->H; ++hh) {
           int64_t base = ((g * t->H + hh) * t->bq + r) * K;
@@ -207,7 +319,7 @@ void hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, 
     for (int64_t g = 0; g < t->G; ++g)
       for (int64_t r = 0; r < t->bq; ++r) {
         const int64_t i = t->i0 + r, Kc = K < i + 1 ? K : i + 1;
-        row_bias(t, g, i, brow, mrow, rrow, trow, 0);
+        row_bias(t, g, i, brow, mrow, rrow, trow);
         for (int64_t j = 0; j < K; ++j) drow[j] = 0.f;
         for (int64_t hh = 0; hh < t->H; ++hh) {
           int64_t base = ((g * t->H + hh) * t->bq + r) * K;
@@ -247,17 +359,19 @@ void hstu_time_index(const tile_args *t, uint8_t *out) {
 #pragma omp parallel num_threads(t->nthreads)
   {
     int32_t *row = malloc(sizeof(int32_t) * (size_t)(N + 1));
+    int64_t *start = malloc(sizeof(int64_t) * (size_t)(2 * t->NB + 4));
+    int32_t *bucket = malloc(sizeof(int32_t) * (size_t)(2 * t->NB + 4));
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < t->G; ++g) {
       const int64_t *ts = t->ts + g * N;
       const int64_t sorted_n = sorted_prefix(ts, N);
       for (int64_t i = 0; i < N; ++i) {
-        time_bucket_row(t, query_time(t, g, i), ts, N, sorted_n, row);
+        time_bucket_row(t, query_time(t, g, i), ts, N, sorted_n, row, start, bucket);
         uint8_t *o = out + (g * N + i) * N;
         for (int64_t j = 0; j < N; ++j) o[j] = (uint8_t)row[j];
       }
     }
-    free(row);
+    free(row); free(start); free(bucket);
   }
 }
 
@@ -274,6 +388,18 @@ static float pair_bias(const tile_args *t, int64_t g, int64_t i, int64_t j) {
   if (t->ts && t->tidx) b += t->ts_w[t->tidx[(g * N + i) * N + j]];
   else if (t->ts) b += t->ts_w[time_bucket(t, query_time(t, g, i), t->ts[g * N + j])];
   return b;
+}
+
+/* Per row g, over its first K keys: how many have sorted times (sorted_n) and how many have
+ * positions 0, 1, 2, ... (lin_n); visible_bias takes its fast paths within them. */
+static void row_extents(const tile_args *t, int64_t K, int64_t *sorted_n, int64_t *lin_n) {
+  for (int64_t g = 0; g < t->G; ++g) {
+    sorted_n[g] = t->ts ? sorted_prefix(t->ts + g * t->N, K) : 0;
+    const int64_t *pos = t->pos + g * t->N;
+    int64_t j = 0;
+    while (j < K && pos[j] == j) ++j;
+    lin_n[g] = j;
+  }
 }
 
 /* s[j] = b[j] + sum_c qa[c] k[j][c] for j < n8 (a multiple of 8), keys in blocks of 8:
@@ -375,15 +501,13 @@ void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
                    const float *v, float *out) {
   const int64_t K = t->K, K8 = (K + 7) / 8 * 8, H = t->H, bq = t->bq;
   const float alpha = t->alpha;
-  int64_t *sorted_n = calloc((size_t)t->G, sizeof(int64_t));
-  for (int64_t g = 0; g < t->G && t->ts; ++g) sorted_n[g] = sorted_prefix(t->ts + g * t->N, K);
+  int64_t *sorted_n = calloc((size_t)t->G, sizeof(int64_t)), *lin_n = calloc((size_t)t->G, sizeof(int64_t));
+  row_extents(t, K, sorted_n, lin_n);
 #pragma omp parallel num_threads(t->nthreads)
   {
     float *brow = malloc(sizeof(float) * (size_t)(K8 + 8));
     float *srow = malloc(sizeof(float) * (size_t)(K8 + 8));
-    float *mrow = malloc(sizeof(float) * (size_t)(K8 + 8));
-    int32_t *rrow = malloc(sizeof(int32_t) * (size_t)(K8 + 8));
-    int32_t *trow = malloc(sizeof(int32_t) * (size_t)(K8 + 8));
+    row_plan rp = plan_alloc(t, K8);
     float *qa = malloc(sizeof(float) * (size_t)dq);
     float *o = malloc(sizeof(float) * (size_t)dv);
 #pragma omp for collapse(2) schedule(dynamic, 16)
@@ -394,12 +518,7 @@ void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
         n = n < K ? n : K;
         const int64_t n8 = (n + 7) / 8 * 8;
         const int self = i >= h && i < K;
-        if (n > 0) {
-          /* row_bias over the prefix: every pair in it is visible */
-          tile_args tp = *t;
-          tp.K = n;
-          row_bias(&tp, g, i, brow, mrow, rrow, trow, t->ts ? sorted_n[g] : 0);
-        }
+        visible_bias(t, g, i, n, sorted_n[g], lin_n[g], brow, &rp);
         for (int64_t j = n; j < n8; ++j) brow[j] = 0.f;
         const float bself = self ? pair_bias(t, g, i, i) : 0.f;
         for (int64_t hh = 0; hh < H; ++hh) {
@@ -423,7 +542,135 @@ void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
           memcpy(out + (gh * bq + r) * dv, o, sizeof(float) * (size_t)dv);
         }
       }
-    free(brow); free(srow); free(mrow); free(rrow); free(trow); free(qa); free(o);
+    free(brow); free(srow); free(qa); free(o);
+    plan_free(&rp);
   }
-  free(sorted_n);
+  free(sorted_n); free(lin_n);
+}
+
+/* y[j][c] += s[j] x[c] for j < n, c < d (y row-major [n, d]): row by row, so each row of y
+ * is read and written once. */
+static inline void rank1_rows(const float *s, const float *x, float *y, int64_t n, int64_t d) {
+  const int64_t d8 = d / 8 * 8;
+  for (int64_t j = 0; j < n; ++j) {
+    float *yj = y + j * d;
+    int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 sj = _mm256_set1_ps(s[j]);
+    for (; c < d8; c += 8) _mm256_storeu_ps(yj + c, _mm256_fmadd_ps(sj, _mm256_loadu_ps(x + c), _mm256_loadu_ps(yj + c)));
+#endif
+    for (; c < d; ++c) yj[c] += s[j] * x[c];
+  }
+}
+
+/* The whole HSTU attention backward in one pass over the query rows, no [N, N] tile: per
+ * row the scores and da = do . v again, a = SiLU(x) and ds = da SiLU'(x) on the visible
+ * keys, then dq_i = alpha sum_j ds_j k_j, and dk_j += alpha ds_j q_i, dv_j += a_j do_i into
+ * per-thread partial sums (added up in thread order at the end), and the bias gradients.
+ *   q [G, H, N, dq]; kb, vb: keys / values in blocks of 8 as in hstu_attn_fwd; k [G, H, N, dq];
+ *   dout [G, H, N, dv] (already scaled by 1/n); dq_out, dk_out [G, H, N, dq], dv_out
+ *   [G, H, N, dv] (written); d_ts / d_pos: float64, added to.
+ * Rows are dealt to threads in a fixed pattern and every partial sum is added in thread
+ * order, so a run repeats its bits for a given thread count. */
+void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, const float *kb,
+                   const float *vb, const float *k, const float *dout, float *dq_out, float *dk_out,
+                   float *dv_out, double *d_ts, double *d_pos) {
+  const int64_t K = t->N, K8 = (K + 7) / 8 * 8, H = t->H, G = t->G;
+  const float alpha = t->alpha;
+  const int nthreads = t->nthreads;
+  const size_t nts = (size_t)t->NB + 1, npos = (size_t)t->P;
+  const size_t nk = (size_t)(G * H * K * dq), nv = (size_t)(G * H * K * dv);
+  double *all_ts = t->ts ? calloc(nts * (size_t)nthreads, sizeof(double)) : NULL;
+  double *all_pos = t->pos_w ? calloc(npos * (size_t)nthreads, sizeof(double)) : NULL;
+  float *all_dk = calloc(nk * (size_t)nthreads, sizeof(float));
+  float *all_dv = calloc(nv * (size_t)nthreads, sizeof(float));
+  int64_t *sorted_n = calloc((size_t)G, sizeof(int64_t)), *lin_n = calloc((size_t)G, sizeof(int64_t));
+  row_extents(t, K, sorted_n, lin_n);
+  float *zeros = calloc((size_t)(K8 + 8), sizeof(float));
+#pragma omp parallel num_threads(nthreads)
+  {
+    float *brow = malloc(sizeof(float) * (size_t)(K8 + 8));
+    float *xrow = malloc(sizeof(float) * (size_t)(K8 + 8));
+    float *grow = malloc(sizeof(float) * (size_t)(K8 + 8));
+    float *arow = malloc(sizeof(float) * (size_t)(K8 + 8));
+    float *srow = malloc(sizeof(float) * (size_t)(K8 + 8));
+    float *drow = malloc(sizeof(float) * (size_t)(K8 + 8));
+    float *qa = malloc(sizeof(float) * (size_t)dq);
+    float *o = malloc(sizeof(float) * (size_t)dq);
+    row_plan rp = plan_alloc(t, K8);
+    const int tid = omp_get_thread_num();
+    double *lts = all_ts ? all_ts + nts * (size_t)tid : NULL;
+    double *lpos = all_pos ? all_pos + npos * (size_t)tid : NULL;
+    float *ldk = all_dk + nk * (size_t)tid, *ldv = all_dv + nv * (size_t)tid;
+#pragma omp for collapse(2) schedule(static, 4)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < K; ++i) {
+        const int64_t h = t->hist[g];
+        const int64_t n = i < h ? i + 1 : h;
+        const int64_t n8 = (n + 7) / 8 * 8;
+        const int self = i >= h;
+        visible_bias(t, g, i, n, sorted_n[g], lin_n[g], brow, &rp);
+        for (int64_t j = n; j < n8; ++j) brow[j] = 0.f;
+        for (int64_t j = 0; j < n; ++j) drow[j] = 0.f;
+        double dself = 0.0;
+        const float bself = self ? pair_bias(t, g, i, i) : 0.f;
+        for (int64_t hh = 0; hh < H; ++hh) {
+          const int64_t gh = g * H + hh;
+          const float *qr = q + (gh * K + i) * dq, *dor = dout + (gh * K + i) * dv;
+          const float *kg = kb + gh * dq * K8, *vg = vb + gh * dv * K8, *kr = k + gh * K * dq;
+          float *dkg = ldk + gh * K * dq, *dvg = ldv + gh * K * dv;
+          for (int64_t c = 0; c < dq; ++c) qa[c] = alpha * qr[c];
+          scores_8(kg, qa, brow, xrow, n8, dq);
+          scores_8(vg, dor, zeros, grow, n8, dv);
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) {
+            const float x = xrow[j], sg = 1.f / (1.f + expf(fminf(-x, 80.f)));
+            arow[j] = x * sg;
+            srow[j] = grow[j] * sg * (1.f + x * (1.f - sg));
+            drow[j] += srow[j];
+          }
+          weighted_sum(srow, kr, n, dq, o);
+          rank1_rows(srow, qa, dkg, n, dq);  /* dk_j += ds_j (alpha q_i) */
+          rank1_rows(arow, dor, dvg, n, dv);
+          if (self) {
+            float x = bself, da = 0.f;
+            for (int64_t c = 0; c < dq; ++c) x += qa[c] * kr[i * dq + c];
+            for (int64_t c = 0; c < dv; ++c) da += dor[c] * vg[(i / 8) * 8 * dv + c * 8 + i % 8];
+            const float sg = 1.f / (1.f + expf(fminf(-x, 80.f)));
+            const float dsi = da * sg * (1.f + x * (1.f - sg)), ai = x * sg;
+            dself += dsi;
+            for (int64_t c = 0; c < dq; ++c) o[c] += dsi * kr[i * dq + c];
+            for (int64_t c = 0; c < dq; ++c) dkg[i * dq + c] += dsi * qa[c];
+            for (int64_t c = 0; c < dv; ++c) dvg[i * dv + c] += ai * dor[c];
+          }
+          float *dqr = dq_out + (gh * K + i) * dq;
+          for (int64_t c = 0; c < dq; ++c) dqr[c] = alpha * o[c];
+        }
+        visible_bias_grad(t, &rp, drow, lts, lpos);
+        if (self) {  /* the candidate's own key: relative position 0 */
+          if (lts) lts[time_bucket(t, query_time(t, g, i), t->ts[g * t->N + i])] += dself;
+          if (lpos) lpos[0] += dself;
+        }
+      }
+    free(brow); free(xrow); free(grow); free(arow); free(srow); free(drow); free(qa); free(o);
+    plan_free(&rp);
+  }
+  /* the per-thread partial sums, in thread order */
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t e = 0; e < (int64_t)nk; ++e) {
+    float acc = 0.f;
+    for (int th = 0; th < nthreads; ++th) acc += all_dk[nk * (size_t)th + (size_t)e];
+    dk_out[e] = acc;
+  }
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t e = 0; e < (int64_t)nv; ++e) {
+    float acc = 0.f;
+    for (int th = 0; th < nthreads; ++th) acc += all_dv[nv * (size_t)th + (size_t)e];
+    dv_out[e] = acc;
+  }
+  for (int th = 0; th < nthreads; ++th) {
+    if (all_ts) for (size_t b = 0; b < nts; ++b) d_ts[b] += all_ts[nts * (size_t)th + b];
+    if (all_pos) for (size_t b = 0; b < npos; ++b) d_pos[b] += all_pos[npos * (size_t)th + b];
+  }
+  free(all_ts); free(all_pos); free(all_dk); free(all_dv); free(sorted_n); free(lin_n); free(zeros);
 }

@@ -182,36 +182,46 @@ def test_fused_time_index_runs_agree_with_the_formula_pair_by_pair():
 
 @pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
 @pytest.mark.parametrize("num_targets", [None, [1, 0, 1, 3, 0, 2, 0, 0, 22]])
-def test_one_pass_native_forward_matches_reference_for_any_head_dims(num_targets, monkeypatch):
-    """fp32 runs the whole forward in one native pass (no [N, N] tile): it must match the
-    float64 reference with query/key and value dims that are not multiples of the vector
-    width and differ from each other, give the same bits on 1 and 2 threads, and actually run."""
+def test_one_pass_native_kernels_match_reference_for_any_head_dims(num_targets, monkeypatch):
+    """fp32 runs the whole forward and the whole backward in one native pass each (no
+    [N, N] tile): outputs and every gradient (q, k, v, both biases) must match the float64
+    reference with query/key and value dims that are not multiples of the vector width and
+    differ, candidates included; the forward gives the same bits on 1 and 2 threads, the
+    backward the same bits when run again; and both kernels must actually have run."""
     lengths = SKEWED + [60]
     g = torch.Generator().manual_seed(5)
     off = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     T = int(off[-1])
     ts = torch.cumsum(torch.randint(0, 5000, (T,), generator=g), 0) - 100 * (torch.arange(T) % 7 == 3)
-    q, k = (torch.randn(T, 3, 12, dtype=torch.float64, generator=g) for _ in range(2))
-    v = torch.randn(T, 3, 20, dtype=torch.float64, generator=g)
-    ts_w, pos_w = torch.randn(13, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
+    q, k = (torch.randn(T, 3, 12, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(T, 3, 20, dtype=torch.float64, generator=g).requires_grad_()
+    ts_w, pos_w = (torch.randn(n, dtype=torch.float64, generator=g).requires_grad_() for n in (13, 64))
     nt = None if num_targets is None else torch.tensor(num_targets + [9])
-    layout = make_layout(off, ts, nt, 64)
-    ref = hstu_attention_reference(q, k, v, layout, ts_w, pos_w, params("num_keys"))
-    calls = []
-    real = fused.attention_forward
-    monkeypatch.setattr(fused, "attention_forward", lambda *a: calls.append(1) or real(*a))
+    ins64 = [q, k, v, ts_w, pos_w]
+    ref = hstu_attention_reference(q, k, v, make_layout(off, ts, nt, 64), ts_w, pos_w, params("num_keys"))
+    g_ref = grads(ref, ins64)
+    calls = {"attention_forward": 0, "attention_backward": 0}
+    for name in calls:
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, real=real, name=name: calls.__setitem__(name, calls[name] + 1)
+                            or real(*a))
     threads = torch.get_num_threads()
-    outs = []
+    outs, grad_runs = [], []
     try:
-        for n in (1, 2):
+        for n in (1, 2, 2):
             torch.set_num_threads(n)
-            outs.append(hstu_attention_chunked(q.float(), k.float(), v.float(), make_layout(off, ts, nt, 64),
-                                               ts_w.float(), pos_w.float(), params("num_keys")))
+            ins32 = [t.detach().float().requires_grad_() for t in ins64]
+            out = hstu_attention_chunked(*ins32[:3], make_layout(off, ts, nt, 64), *ins32[3:], params("num_keys"))
+            outs.append(out)
+            grad_runs.append(grads(out, ins32))
     finally:
         torch.set_num_threads(threads)
-    assert calls
+    assert calls["attention_forward"] and calls["attention_backward"]
     torch.testing.assert_close(outs[0].double(), ref, rtol=1e-4, atol=1e-5)
+    for a, b in zip(grad_runs[0], g_ref):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
     assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(grad_runs[1], grad_runs[2]))
 
 
 def test_native_tile_is_built_and_keeps_subnormals():

@@ -105,11 +105,12 @@ def _hstu_paper_padded(c: TowerConfig, w: dict, x_TD, off, ts_T, num_targets, qu
 
 
 class _TileCalls:
-    """Counts calls into the compiled C tile (to know which path a tower call took)."""
+    """Counts calls into the compiled C kernels (to know which path a tower call took)."""
 
     def __init__(self, monkeypatch):
         self.count = 0
-        for name in ("tile_forward", "tile_backward", "time_index"):
+        for name in ("tile_forward", "tile_backward", "time_index", "attention_forward",
+                     "attention_backward"):
             monkeypatch.setattr(fused, name, self._counted(getattr(fused, name)))
 
     def _counted(self, fn):
