@@ -187,12 +187,16 @@ class SequenceTower(nn.Module):
         L = cache.timestamps_BL.shape[1]
         # Bias indices depend only on positions and timestamps: once per micro-batch, not per layer.
         # The chunked kernel's fused tile scores candidates too; "reference" keeps plain PyTorch.
-        fused = (self.cfg.kind == "hstu" and self.cfg.resolved_kernel == "chunked"
+        # Candidates scored at one time per row (a request's candidates) share their bias row:
+        # then plain matrix products over all of them beat the per-row native kernel.
+        shared_time = bool((ts_BM == ts_BM[:, :1]).all()) if M else True
+        fused = (self.cfg.kind == "hstu" and self.cfg.resolved_kernel == "chunked" and not shared_time
                  and self.layers[0].params.fused and _fused.supports(x_BMD, *cache.keys, *cache.values))
         if self.cfg.kind == "hstu" and not fused:
             p = self.layers[0].params
             pos_idx = (hist_B[:, None, None] - torch.arange(L, device=x_BMD.device)).clamp(0, p.max_seq_len - 1)
-            t_idx = time_buckets(ts_BM[:, :, None] - cache.timestamps_BL[:, None, :],
+            ts_q = ts_BM[:, :1] if shared_time else ts_BM
+            t_idx = time_buckets(ts_q[:, :, None] - cache.timestamps_BL[:, None, :],
                                  p.num_time_buckets, p.time_bucket_divisor)
         for layer, K, V in zip(self.layers, cache.keys, cache.values):
             u, q, k, v = layer.project(x_BMD)                 # q, k: [B, M, H, dq]
@@ -211,7 +215,9 @@ class SequenceTower(nn.Module):
             s_self = (q * k).sum(-1, keepdim=True)            # [B, H, M, 1]
             if self.cfg.kind == "hstu":
                 p = layer.params
-                s_hist, s_self = s_hist * p.alpha, s_self * p.alpha
+                if p.alpha != 1.0:  # in place: s_hist is [B, H, M, L], the largest tensor here
+                    s_hist.mul_(p.alpha)
+                    s_self = s_self * p.alpha
                 rab = None
                 if layer.pos_w is not None:
                     rab = layer.pos_w[pos_idx]
@@ -220,14 +226,15 @@ class SequenceTower(nn.Module):
                 zero = hist_B.new_zeros(1)
                 rab_self = relative_bias(zero, zero, zero, zero, layer.ts_w, layer.pos_w, p)
                 if rab is not None:
-                    s_hist, s_self = s_hist + rab[:, None], s_self + rab_self
+                    s_hist.add_(rab[:, None])
+                    s_self = s_self + rab_self
                 if p.normalizer == "max_seq_len":
                     inv_n = 1.0 / p.max_seq_len
                 elif p.normalizer == "num_keys":
                     inv_n = 1.0 / (hist_B.float() + 1)[:, None, None, None]
                 else:
                     inv_n = 1.0
-                a_hist = F.silu(s_hist) * inv_n * valid
+                a_hist = F.silu(s_hist, inplace=True).mul_(valid * inv_n)
                 a_self = F.silu(s_self) * inv_n
             else:
                 scale = layer.attention_dim ** -0.5

@@ -508,6 +508,7 @@ void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
     float *brow = malloc(sizeof(float) * (size_t)(K8 + 8));
     float *srow = malloc(sizeof(float) * (size_t)(K8 + 8));
     row_plan rp = plan_alloc(t, K8);
+    int64_t last_g = -1, last_n = -1, last_pi = 0, last_qt = 0;
     float *qa = malloc(sizeof(float) * (size_t)dq);
     float *o = malloc(sizeof(float) * (size_t)dv);
 #pragma omp for collapse(2) schedule(dynamic, 16)
@@ -518,7 +519,12 @@ void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
         n = n < K ? n : K;
         const int64_t n8 = (n + 7) / 8 * 8;
         const int self = i >= h && i < K;
-        visible_bias(t, g, i, n, sorted_n[g], lin_n[g], brow, &rp);
+        /* candidates of one row share position and query time: their bias rows are equal */
+        const int64_t pi = t->pos[g * t->N + i], qt = t->ts ? query_time(t, g, i) : 0;
+        if (!(g == last_g && n == last_n && pi == last_pi && qt == last_qt)) {
+          visible_bias(t, g, i, n, sorted_n[g], lin_n[g], brow, &rp);
+          last_g = g, last_n = n, last_pi = pi, last_qt = qt;
+        }
         for (int64_t j = n; j < n8; ++j) brow[j] = 0.f;
         const float bself = self ? pair_bias(t, g, i, i) : 0.f;
         for (int64_t hh = 0; hh < H; ++hh) {

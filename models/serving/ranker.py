@@ -73,8 +73,10 @@ class ServingConfig:
     """Requests with more events than this are rejected, not truncated (bounds parsing work)."""
     micro_batch: int = 128
     """M-FALCON: candidates per user scored at once against the cached history."""
-    retrieval_block_rows: int = 65536
-    """Item-index rows per matmul + top-k block (bounds the score buffer)."""
+    retrieval_block_rows: int = 1 << 20
+    """Item-index rows per matmul + top-k block (bounds the score buffer: 4 bytes per row and
+    user of a server batch). One top-k over 1M scores costs about a third of 16 over 64K
+    blocks and their merges."""
     advertiser_feature: str = "advertiser_id"
     """Item side feature that `allowed_advertisers` filters on."""
     exact_retrieval: bool = False
