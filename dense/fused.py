@@ -1,4 +1,5 @@
-"""ctypes loader for csrc/hstu_tile.c, the fused elementwise part of the chunked HSTU tile.
+"""ctypes loader for csrc/hstu_tile.c: the one-pass fp32 HSTU attention kernels and the
+fused elementwise part of the chunked (bf16) HSTU tile.
 
 The library is built by the install command (setup.py: `pip install -e .`) beside this
 file as `_hstu_tile*.so`, for the instruction set named in `ISA_FLAGS`; loading checks that

@@ -212,7 +212,7 @@ def _own_or(query_ts: torch.Tensor, ts: torch.Tensor) -> torch.Tensor | None:
 
 
 def _one_pass(q, k, v) -> bool:
-    """fp32 runs the native one-pass kernels (fused.attention_forward / _backward_rows)."""
+    """fp32 runs the native one-pass kernels (fused.attention_forward / attention_backward)."""
     return q.dtype == k.dtype == v.dtype == torch.float32
 
 
@@ -257,7 +257,7 @@ class _HSTUChunkedFn(torch.autograd.Function):
             inv_n = _inv_n_GN(bucket, p)
             fused = _fused_state(q, k, v, ts_w, pos_w, bucket, p)
             if fused is not None and _one_pass(q, k, v):
-                # fp32: the whole forward in one native pass (the backward recomputes the tiles)
+                # fp32: the whole forward in one native pass (the backward recomputes the scores)
                 out = _scale_rows(_fused.attention_forward(fused(0, N), q, k, v), inv_n, 0, N)
                 ctx.save_for_backward(q, k, v, ts_w, pos_w)
                 ctx.bucket, ctx.p = bucket, p

@@ -1,6 +1,9 @@
-/* Fused elementwise part of one HSTU attention tile (see dense/kernels.py, _HSTUChunkedFn).
+/* HSTU attention on the CPU (see dense/kernels.py, _HSTUChunkedFn).
  *
- * A tile is queries [i0, i0 + bq) x keys [0, K) of G rows x H heads. The matmuls stay in
+ * fp32: hstu_attn_fwd / hstu_attn_bwd, the whole forward and the whole backward in one pass
+ * over the query rows each, no [N, N] tile; they find time buckets themselves (runs over
+ * sorted histories, visible_bias) and never read a precomputed index.
+ * bf16: the fused elementwise part of one tile of the chunked path. A tile is queries [i0, i0 + bq) x keys [0, K) of G rows x H heads. The matmuls stay in
  * ATen (bf16 AMX / fp32 BLAS); this file does, in one pass over the tile,
  *   forward:  a = vis(i, j) ? SiLU(alpha s + ts_w[tidx] + pos_w[rel]) : 0
  *             (tidx = bucket of |qts[i] - ts[j]|: query time vs key time)
@@ -162,11 +165,6 @@ static void visible_bias(const tile_args *t, int64_t g, int64_t i, int64_t n, in
   rp->m = rp->runs = 0;
   if (!t->ts) return;
   const int64_t *ts = t->ts + g * N, ti = query_time(t, g, i);
-  if (t->tidx) {  /* a precomputed index: read it */
-    const uint8_t *tb = t->tidx + (g * N + i) * N;
-    for (int64_t j = 0; j < n; ++j) { rp->trow[j] = tb[j]; brow[j] += t->ts_w[tb[j]]; }
-    return;
-  }
   rp->m = sorted_n < n ? sorted_n : n;
   rp->runs = time_runs(t, ti, ts, rp->m, rp->start, rp->bucket);
   for (int64_t k = 0; k < rp->runs; ++k) {
@@ -376,7 +374,7 @@ void hstu_time_index(const tile_args *t, uint8_t *out) {
 }
 
 /* Bias of one visible (query i, key j) pair, for the one key outside a row's visible prefix
- * (a candidate's own key): the same sums as row_bias. */
+ * (a candidate's own key): the same sums as visible_bias. */
 static float pair_bias(const tile_args *t, int64_t g, int64_t i, int64_t j) {
   const int64_t N = t->N;
   float b = 0.f;
@@ -385,8 +383,7 @@ static float pair_bias(const tile_args *t, int64_t g, int64_t i, int64_t j) {
     r = r < 0 ? 0 : (r > t->P - 1 ? t->P - 1 : r);
     b += t->pos_w[r];
   }
-  if (t->ts && t->tidx) b += t->ts_w[t->tidx[(g * N + i) * N + j]];
-  else if (t->ts) b += t->ts_w[time_bucket(t, query_time(t, g, i), t->ts[g * N + j])];
+  if (t->ts) b += t->ts_w[time_bucket(t, query_time(t, g, i), t->ts[g * N + j])];
   return b;
 }
 
