@@ -29,7 +29,7 @@ class TileArgs(ctypes.Structure):
         ("ts", ctypes.c_void_p), ("thr", ctypes.c_void_p), ("ts_w", ctypes.c_void_p),
         ("pos_w", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("hist", ctypes.c_void_p),
         ("alpha", ctypes.c_float), ("inv_divisor", ctypes.c_float), ("tidx", ctypes.c_void_p),
-        ("nthreads", ctypes.c_int64), ("qts", ctypes.c_void_p)]
+        ("nthreads", ctypes.c_int64), ("qts", ctypes.c_void_p), ("len", ctypes.c_void_p)]
 
 
 ISA_FLAGS = {"x86_64": ("avx2", "fma")}
@@ -101,12 +101,13 @@ def _ptr(t: torch.Tensor | None):
 
 
 def tile_args(*, G, H, bq, K, N, i0, P, NB, ts, thr, ts_w, pos_w, pos, hist, alpha,
-              divisor, tidx=None, qts=None) -> TileArgs:
-    """`qts`: [G, N] query times of the time bias; None means the same as `ts`."""
+              divisor, tidx=None, qts=None, lens=None) -> TileArgs:
+    """`qts`: [G, N] query times of the time bias; None means the same as `ts`. `lens`: [G]
+    row lengths, past which query rows are padding the one-pass kernels skip (None: N)."""
     # Every tensor passed here must stay alive (and contiguous) for the duration of the call.
     return TileArgs(G, H, bq, K, N, i0, P, NB, _ptr(ts), _ptr(thr), _ptr(ts_w), _ptr(pos_w),
                     _ptr(pos), _ptr(hist), alpha, 1.0 / divisor, _ptr(tidx),
-                    torch.get_num_threads(), _ptr(qts))
+                    torch.get_num_threads(), _ptr(qts), _ptr(lens))
 
 
 def time_index(ts_GN: torch.Tensor, num_buckets: int, divisor: float,

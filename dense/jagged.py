@@ -33,6 +33,8 @@ class LengthBucket:
     max_len: int
     history_lengths_G: torch.Tensor
     """int64 [G]: tokens before the first candidate (= length when the row has none)."""
+    lengths_G: torch.Tensor
+    """int64 [G]: each row's own length (<= max_len); query rows past it are padding."""
     positions_GN: torch.Tensor
     """int64 [G, N]: position of each token (candidates share the post-history position)."""
     timestamps_GN: torch.Tensor
@@ -128,6 +130,7 @@ class JaggedLayout:
             ts_GN = pad_ts[idx_GN]
             buckets.append(LengthBucket(
                 num_rows=len(rows), max_len=N, history_lengths_G=hist_G,
+                lengths_G=self.lengths_B[rows_G],
                 positions_GN=pad_pos[idx_GN], timestamps_GN=ts_GN,
                 query_timestamps_GN=ts_GN if own_query_ts else pad_qts[idx_GN],
                 has_targets=bool((hist_G < self.lengths_B[rows_G]).any())))

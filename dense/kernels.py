@@ -229,7 +229,8 @@ def _fused_state(q, k, v, ts_w, pos_w, bucket, p):
         thr=time_thresholds(p.num_time_buckets, p.time_bucket_divisor),
         ts_w=None if ts_w is None else ts_w.detach().float().contiguous(),
         pos_w=None if pos_w is None else pos_w.detach().float().contiguous(),
-        pos=bucket.positions_GN.contiguous(), hist=bucket.history_lengths_G.contiguous())
+        pos=bucket.positions_GN.contiguous(), hist=bucket.history_lengths_G.contiguous(),
+        lens=bucket.lengths_G.contiguous())
 
     def args(i0, i1):
         return _fused.tile_args(G=G, H=H, bq=i1 - i0, K=i1, N=N, i0=i0, P=p.max_seq_len,
@@ -287,12 +288,6 @@ class _HSTUChunkedFn(torch.autograd.Function):
             G, H, N, _ = q.shape
             bq = _block_rows(G, H, N, p)
             inv_n = _inv_n_GN(bucket, p)
-            acc = torch.promote_types(q.dtype, torch.float32)  # accumulate grads in >= fp32
-            dq = torch.empty_like(q)
-            dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-            dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-            d_ts = None if ts_w is None else torch.zeros_like(ts_w, dtype=acc)
-            d_pos = None if pos_w is None else torch.zeros_like(pos_w, dtype=acc)
             fused = _fused_state(q, k, v, ts_w, pos_w, bucket, p)
             if fused is not None:  # the C tile sums bias grads in float64
                 d_ts64 = None if ts_w is None else torch.zeros(ts_w.shape, dtype=torch.float64)
@@ -302,6 +297,12 @@ class _HSTUChunkedFn(torch.autograd.Function):
                                                        d_ts64, d_pos64)
                 return (dq, dk, dv, None if ts_w is None else d_ts64.to(ts_w.dtype),
                         None if pos_w is None else d_pos64.to(pos_w.dtype), None, None)
+            acc = torch.promote_types(q.dtype, torch.float32)  # accumulate grads in >= fp32
+            dq = torch.empty_like(q)
+            dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+            dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+            d_ts = None if ts_w is None else torch.zeros_like(ts_w, dtype=acc)
+            d_pos = None if pos_w is None else torch.zeros_like(pos_w, dtype=acc)
             for i0 in range(0, N, bq):
                 i1 = min(N, i0 + bq)
                 q_blk, k_blk, v_blk = q[:, :, i0:i1], k[:, :, :i1], v[:, :, :i1]

@@ -144,6 +144,8 @@ def check(result: dict, baseline: dict) -> tuple[str, list[str]]:
     if base_cpu and cpu and cpu.get("model") != base_cpu.get("model"):
         return "inconclusive", [f"baseline taken on {base_cpu.get('model')!r}, this result on {cpu.get('model')!r}"]
     lines, failed = [], False
+    for dotted, why in baseline.get("left_out", {}).items():  # a figure whose meaning a change moved
+        lines.append(f"skip  {dotted}: left out of this baseline: {why}")
     for dotted, b in baseline["figures"].items():
         value = _figure(result, dotted)
         if value is None:

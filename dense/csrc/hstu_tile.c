@@ -41,9 +41,10 @@ typedef struct {
   float inv_divisor;
   const uint8_t *tidx;   /* [G, N, N] precomputed time buckets (hstu_time_index), or NULL */
   int64_t nthreads;      /* torch.get_num_threads(): respect the process's thread budget */
-  const int64_t *qts;    /* [G, N] query times of the time bias, or NULL: the same as ts.
-                          * fused.py TileArgs mirrors this struct field for field; both keep
-                          * it last so earlier offsets never move. */
+  const int64_t *qts;    /* [G, N] query times of the time bias, or NULL: the same as ts. */
+  const int64_t *len;    /* [G] row lengths, or NULL (all N): the one-pass kernels skip query
+                          * rows past them (padding). fused.py TileArgs mirrors this struct
+                          * field for field; new fields go last so earlier offsets never move. */
 } tile_args;
 
 static inline int64_t query_time(const tile_args *t, int64_t g, int64_t i) {
@@ -512,6 +513,10 @@ void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
     for (int64_t g = 0; g < t->G; ++g)
       for (int64_t r = 0; r < bq; ++r) {
         const int64_t i = t->i0 + r, h = t->hist[g];
+        if (t->len && i >= t->len[g]) {  /* padding: no keys, a zero row */
+          for (int64_t hh = 0; hh < H; ++hh) memset(out + ((g * H + hh) * bq + r) * dv, 0, sizeof(float) * (size_t)dv);
+          continue;
+        }
         int64_t n = i < h ? i + 1 : h;
         n = n < K ? n : K;
         const int64_t n8 = (n + 7) / 8 * 8;
@@ -609,6 +614,10 @@ void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
     for (int64_t g = 0; g < G; ++g)
       for (int64_t i = 0; i < K; ++i) {
         const int64_t h = t->hist[g];
+        if (t->len && i >= t->len[g]) {  /* padding: a zero dq row, nothing else */
+          for (int64_t hh = 0; hh < H; ++hh) memset(dq_out + ((g * H + hh) * K + i) * dq, 0, sizeof(float) * (size_t)dq);
+          continue;
+        }
         const int64_t n = i < h ? i + 1 : h;
         const int64_t n8 = (n + 7) / 8 * 8;
         const int self = i >= h;

@@ -314,3 +314,36 @@ def test_bad_query_time_is_a_clear_error():
                 tower(x, off, ts, None, bad)
             with pytest.raises(ValueError, match=r"query_time_B must be int64 \[2\]"):
                 tower.encode_history(x, off, ts, bad)
+
+
+@pytest.mark.skipif(not HAS_FUSED, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
+def test_one_pass_kernels_skip_padding_rows_and_leave_real_rows_bit_equal():
+    """Given row lengths, the one-pass kernels do no work for query rows past them: those
+    rows' outputs and dq are zero (a kernel that still ran them would leave attention there),
+    while every real row and dk / dv / bias gradients keep the bits of a run told nothing."""
+    g = torch.Generator().manual_seed(11)
+    G, H, N, dq, dv = 4, 2, 37, 12, 20
+    lens = torch.tensor([37, 20, 9, 1])
+    ts = torch.cumsum(torch.randint(0, 10**4, (G, N), generator=g), 1)
+    q, k = torch.randn(G, H, N, dq, generator=g), torch.randn(G, H, N, dq, generator=g)
+    v, dout = torch.randn(G, H, N, dv, generator=g), torch.randn(G, H, N, dv, generator=g)
+    pad = torch.arange(N)[None, :] >= lens[:, None]  # [G, N]
+    dout[pad[:, None, :, None].expand_as(dout)] = 0  # the tower never sends a gradient to padding
+    common = dict(G=G, H=H, bq=N, K=N, N=N, i0=0, P=64, NB=40, ts=ts, thr=fused.time_thresholds(40, 0.301),
+                  ts_w=torch.randn(41, generator=g), pos_w=torch.randn(64, generator=g),
+                  pos=torch.arange(N).expand(G, N).contiguous(), hist=lens, alpha=0.7, divisor=0.301)
+
+    def run(**kw):
+        args = fused.tile_args(**common, **kw)
+        d_ts, d_pos = torch.zeros(41, dtype=torch.float64), torch.zeros(64, dtype=torch.float64)
+        out = fused.attention_forward(args, q, k, v)
+        return [out, *fused.attention_backward(args, q, k, v, dout, d_ts, d_pos), d_ts, d_pos]
+
+    told, untold = run(lens=lens), run()
+    out, dq_, dk, dv_, d_ts, d_pos = told
+    rows = pad[:, None, :].expand(G, H, N)
+    assert (out[rows] == 0).all() and (dq_[rows] == 0).all()
+    assert (untold[0][rows] != 0).any()  # without lengths the padding rows attend to their history
+    assert torch.equal(out[~rows], untold[0][~rows]) and torch.equal(dq_[~rows], untold[1][~rows])
+    for a, b in zip(told[2:], untold[2:]):
+        assert torch.equal(a, b)

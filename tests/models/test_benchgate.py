@@ -132,3 +132,18 @@ def test_a_bench_on_a_busy_machine_is_refused_unless_allowed(monkeypatch, tmp_pa
     assert "busy" in capsys.readouterr().err
     assert benchgate.command(argparse.Namespace(**{**vars(args), "allow_noisy": True})) == 0
     assert ran == ["dense"] and json.loads(out.read_text()) == {"figure": 1.0, "taken_noisy": True}
+
+
+def test_a_left_out_figure_is_reported_not_gated(baseline):
+    baseline["left_out"] = {"sparse.hot_path_ratio": "moved by a kernel change"}
+    del baseline["figures"]["sparse.hot_path_ratio"]
+    verdict, lines = benchgate.check(_result(0.10), baseline)
+    assert verdict == "pass"
+    assert "skip  sparse.hot_path_ratio: left out of this baseline: moved by a kernel change" in lines
+
+
+def test_the_shipped_baseline_is_well_formed():
+    shipped = json.loads(BASELINE.read_text())
+    assert shipped["format"] == benchgate.BASELINE_FORMAT
+    assert set(shipped["figures"]) | set(shipped.get("left_out", {})) == set(benchgate.GATED)
+    assert not set(shipped["figures"]) & set(shipped.get("left_out", {}))
