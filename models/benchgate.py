@@ -36,7 +36,7 @@ from genrec.data.files import atomic_write_text
 
 BENCH_MODULES = {
     "data": "genrec.data.bench",
-    "sparse": "genrec.sparse.bench",
+    "sparse": "genrec.models.bench_sparse",
     "dense": "genrec.dense.bench",
     "train": "genrec.models.train.bench",
     "serve": "genrec.models.serving.bench",
@@ -50,7 +50,8 @@ GATED = {
     "sparse.hot_path_ratio": (True, 0.8),
     "sparse.hot_path_ratio_default_config": (True, 0.6),
     "sparse.index_bytes_per_row": (False, 16.0),
-    "sparse.offload_ratio": (True, None),
+    "sparse.offload_ratio": (True, 0.75),
+    "sparse.offload_ratio_store_only": (True, None),
     "dense.jagged_vs_padded": (True, 1.5),
     "dense.kv_cache_speedup_1024": (True, None),
     "dense.hstu_vs_transformer_1024": (True, None),

@@ -123,7 +123,8 @@ class TrainConfig:
     models too large to replicate. Both train the same numbers; DDP is faster when the
     model fits."""
     pipeline: bool = True
-    """Load the next batch and prefetch its rows while the current batch computes."""
+    """Load the next batches in a thread while the current one computes, and (see
+    sparse.read_ahead) start the disk reads of the next batch's SSD-tier rows."""
     num_threads: int = 0
     """torch intra-op threads per rank; 0: the cores this process may use divided by the
     ranks on this node (never more threads than cores: oversubscribed, spin-waiting OpenMP

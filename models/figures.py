@@ -37,10 +37,14 @@ TABLES: dict[str, tuple[tuple[str, ...], list[tuple[str, str, str | None]]]] = {
          "rows_per_s_fbgemm_cpu_tbe", None),
         ("`index_bytes_per_row` (its peak during growth)", "index_bytes_per_row", "<= 16"),
         ("`index_peak_bytes_per_row`", "index_peak_bytes_per_row", None),
-        ("`offload_ratio`: table 10x the host cache, rest on SSD (evicted from the page cache first), "
+        ("`offload_ratio`: demo-size tower steps, table 10x the host cache, rest on SSD (cold), "
          "vs all in memory", "offload_ratio", ">= 0.75"),
-        ("`ssd_bytes_read` over the offload steps (/proc/self/io)", "ssd_bytes_read", None),
-        ("`ssd_bytes_written` over the offload steps", "ssd_bytes_written", None),
+        ("offload step, ms", "offload_step_ms", None),
+        ("all-in-memory step, ms", "offload_memory_step_ms", None),
+        ("`ssd_bytes_read` over the offload windows (/proc/self/io)", "offload_ssd_bytes_read", None),
+        ("`ssd_bytes_written` over the offload windows", "offload_ssd_bytes_written", None),
+        ("`offload_ratio_store_only`: the same without the tower (the store's worst case)",
+         "offload_ratio_store_only", None),
         ("`ssd_read_rows_per_s` (dim 64, page cache included)", "ssd_read_rows_per_s", None),
         ("`ssd_read_rows_per_s_cold` (evicted from the page cache before each gather)",
          "ssd_read_rows_per_s_cold", None),

@@ -245,6 +245,19 @@ class GenerativeRecommender(nn.Module):
     def _candidate_kjt(self, candidates: KeyedJaggedTensor) -> KeyedJaggedTensor:
         return KeyedJaggedTensor.from_jt_dict({k: candidates[k] for k in self.candidate_features})
 
+    def read_ahead(self, batch: Batch) -> int:
+        """Start the disk reads of an upcoming batch's SSD-tier rows, its history's and
+        candidates' (negatives are drawn in its step), without waiting: advice only, see
+        TieredEmbeddingCollection.read_ahead (collective with several ranks). Returns the
+        page ranges this rank advised; 0 for a module that cannot read ahead."""
+        read_ahead = getattr(self.embeddings, "read_ahead", None)
+        if read_ahead is None:
+            return 0
+        kjts = [batch.history]
+        if self.cfg.ranking and batch.candidates is not None:
+            kjts.append(self._candidate_kjt(batch.candidates))
+        return read_ahead(kjts)
+
     def item_rows(self, item_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows of `item_ids` from the item feature's table: [N, D]."""
         kjt = KeyedJaggedTensor(

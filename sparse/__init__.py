@@ -37,6 +37,7 @@ Public API
         forward(kjt, event_time=None) -> dict[str, JaggedTensor]
         set_event_time(ts)           event time for TTL and last-update stamps
         prefetch(kjt)                bring the next batch's rows up to the device tier
+        read_ahead([kjt, ...])       start the disk reads of the next batch's SSD rows (advice only)
         save_snapshot(dir), load_snapshot(dir)   (collective under torch.distributed)
         stats()                      rows and hits per tier, misses, per table
     save_snapshot, load_snapshot     snapshot.py: atomic, CRC32-checked, reshardable

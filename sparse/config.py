@@ -96,6 +96,11 @@ class SparseConfig:
     """Device of the device tier and of the outputs ("cpu", "cuda", "cuda:1"). None: the
     trainer's device (this rank's GPU under torchrun on CUDA, else the CPU); a store built
     on its own takes the CPU."""
+    read_ahead: Literal["auto", "on", "off"] = "auto"
+    """Whether the trainer (with train.pipeline) starts the disk reads of batch t + 1's
+    SSD-tier rows before step t (TieredEmbeddingCollection.read_ahead): "auto" is on with
+    one rank and off with several, where it costs an extra id all-to-all per step whether
+    or not any row sits on SSD. Advice only: results are the same either way."""
     kernels: Literal["native", "reference"] = "native"
     """The store's kernels: "native" (csrc/store.c, built by the install command: the
     index, the fused lookup and optimizer step, CLOCK cache victims, the TTL sweep) or

@@ -409,6 +409,23 @@ class TieredEmbeddingCollection(nn.Module):
                 owner_ids = torch.unique(ex.to_owner(ids))
                 self.stores[name].prefetch(owner_ids)
 
+    def read_ahead(self, kjts: list[KeyedJaggedTensor]) -> int:
+        """Start reading, without waiting, the SSD-tier pages of the rows an upcoming batch
+        will look up (TableStore.read_ahead): called for batch t + 1 before step t, the disk
+        reads them while step t computes. Advice only: no row, counter or placement changes,
+        so training is bit for bit the same with or without it. Collective with several ranks
+        (the ids go to their owners first: every rank calls it with the same keys, or none
+        does). Returns the page ranges this rank advised."""
+        advised = 0
+        with torch.no_grad():
+            for kjt in kjts:
+                for name, feats in self._ids_per_table(kjt):
+                    ids = torch.cat([jt.values() for _, jt in feats]).to(torch.int64).cpu()
+                    if self.world_size > 1:
+                        ids = _Exchange(torch.unique(ids), self.group).to_owner(torch.unique(ids))
+                    advised += self.stores[name].read_ahead(ids)
+        return advised
+
     # ------------------------------------------------------------------ stats / snapshots
     def stats(self) -> dict[str, dict[str, int]]:
         """Per table on this rank: rows per tier, lookup hits per tier, misses (new rows)."""

@@ -70,7 +70,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "ix_new": ([], _P), "ix_free": ([_P], None), "ix_len": ([_P], _I), "ix_bytes": ([_P], _I),
     "ix_peak_bytes": ([_P], _I), "ix_reset_peak": ([_P], None),
-    "ix_find": ([_P, _P, _P, _I, _P], None), "ix_insert": ([_P, _P, _P, _P, _I], _I),
+    "ix_find": ([_P, _P, _P, _I, _P], None), "ix_candidates": ([_P, _P, _I, _P], None), "ix_insert": ([_P, _P, _P, _P, _I], _I),
     "ix_remove": ([_P, _P, _P, _I], _I), "ix_items": ([_P, _P, _P, _P], None),
     "fwd_lookup": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P], _I),
     "grad_accumulate": ([_P, _I, _P, _I, _P], None),
@@ -81,6 +81,7 @@ _SIGNATURES = {
     "lowest_rows": ([_P, _I, _I, _I, _P, _P], _I),
     "slab_rows_copy": ([_P, _I, _I, _P, _I, _P, _I], None),
     "slab_rows_copy_mt": ([_P, _I, _I, _P, _I, _P, _I, _I], None),
+    "slab_rows_will_need": ([_P, _I, _I, _P, _I], _I),
 }
 
 
@@ -228,6 +229,14 @@ class NativeIndex:
         _lib.ix_find(self.handle, tiers.data_ptr(), ids_N.data_ptr(), ids_N.numel(), out_N.data_ptr())
         return out_N
 
+    def candidates(self, ids_N: torch.Tensor) -> torch.Tensor:
+        """Each id's probable location, or -1, read from the index alone (see ix_candidates
+        in csrc/store.c): for read-ahead advice only."""
+        ids_N = ids_N.contiguous()
+        out_N = torch.empty_like(ids_N)
+        _lib.ix_candidates(self.handle, ids_N.data_ptr(), ids_N.numel(), out_N.data_ptr())
+        return out_N
+
     def insert(self, ids_N: torch.Tensor, loc_N: torch.Tensor, tiers: torch.Tensor) -> None:
         ids_N, loc_N = ids_N.contiguous(), loc_N.contiguous()
         r = _lib.ix_insert(self.handle, tiers.data_ptr(), ids_N.data_ptr(), loc_N.data_ptr(), ids_N.numel())
@@ -273,6 +282,14 @@ def slab_rows_copy(slab_addrs: torch.Tensor, slab_rows: int, slots_N: torch.Tens
         return
     load().slab_rows_copy(slab_addrs.data_ptr(), slab_rows, row_bytes, slots_N.data_ptr(), slots_N.numel(),
                           buf.data_ptr(), int(scatter))
+
+
+def slab_rows_will_need(slab_addrs: torch.Tensor, slab_rows: int, row_bytes: int, slots_N: torch.Tensor) -> int:
+    """Start reading the pages of the rows at `slots_N` of memory-mapped slabs into the
+    page cache without waiting (see csrc/store.c); the number of page ranges advised."""
+    slots_N = slots_N.contiguous()
+    return load().slab_rows_will_need(slab_addrs.data_ptr(), slab_rows, row_bytes, slots_N.data_ptr(),
+                                      slots_N.numel())
 
 
 def lowest_rows(tiers: torch.Tensor, k: int, lfu: bool, open_from: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,12 +21,12 @@ Both give the same rows, state and metadata bit for bit (tests/sparse/test_spars
 
 Index memory at scale (native). An entry is 8 bytes (22 fingerprint bits + location) in
 256 independently growing segments kept 68-85% full while a table grows (60% while it
-churns): 9.4-13.3 bytes per row, measured 10.3 on 500K rows (`genrec bench sparse`), and
-a rebuild holds one segment twice (under 1% more at its peak). 1B rows on a rank: about 11 GB of index in DRAM, beside 8 GB of id
-slabs and 24 GB of metadata that live with the rows in their tier (for SSD rows: in
-mapped files, paged by the kernel). A lookup confirms a fingerprint match against the
-id slab, so SSD-resident ids cost a page-cache read; locations have 40 slot bits per tier
-(10^12 rows).
+churns): 9.4-13.3 bytes per row, measured 10.3 on 500K rows (`genrec bench sparse`); a
+rebuild holds one segment twice. 1B rows on a rank: about 11 GB of index in DRAM, beside
+8 GB of id slabs and 24 GB of metadata that live with the rows in their tier (SSD rows: in
+mapped files). A lookup confirms a fingerprint match against the id slab, so SSD-resident
+ids cost a page read, started for all of them at once first (read_ahead); locations
+have 40 slot bits per tier (10^12 rows).
 
 Legend: U = unique ids in a call, W = packed row width (values + optimizer state).
 """
@@ -305,12 +305,20 @@ class TableStore:
         if ttl is not None and now is not None and (self.last_sweep is None or now - self.last_sweep >= max(ttl // 4, 1)):
             self.expire(now)
 
+    def read_ahead(self, ids_N: torch.Tensor) -> int:
+        """Start the disk reads of the SSD-tier pages (rows, ids, metadata) a lookup of these ids
+        will touch, all at once, without waiting: the disk works at its queue depth, not a fault
+        at a time. Advice only (Tier.will_need). Returns the page ranges advised."""
+        loc_N = self.index.candidates(ids_N) if self.native and self.tiers[2].num_used else None
+        return 0 if loc_N is None else self.tiers[2].will_need(loc_N[(loc_N & 3) == 2] >> 2)  # absent: -1
+
     def _native_lookup(self, ids_N, counts_N, now, out: bool):
         """csrc/store.c's fused lookup: (U, committed, inv, uniq, cnt, loc); with `out`,
         also the rows [N, D] when it committed (see fwd_lookup)."""
         n = ids_N.numel()
         if n >= 1 << 31:  # the dedup table numbers unique ids in int32 (csrc/store.c)
             raise ValueError(f"genrec.sparse: one lookup takes fewer than 2^31 ids, got {n}; split the batch")
+        self.read_ahead(ids_N)  # the lookup confirms SSD ids against their id pages: all in flight first
         inv_N, uniq_N, cnt_N, loc_N = (torch.empty(n, dtype=torch.int64) for _ in range(4))
         out_ND = torch.empty(n, self.dim) if out else None
         top = self._top_tier()
@@ -575,12 +583,9 @@ class TableStore:
         self.tiers[2], self.generation = staged.tiers[2], staged.generation
         self.index, self.pending = staged.index, staged.pending
         self.pending.cfg = self.cfg
-        self.step, self.last_sweep = staged.step, staged.last_sweep
+        self.step, self.last_sweep, self.window_start, self.step_done = staged.step, staged.last_sweep, staged.step + 1, True
         self.mark_snapshot()
-        self.window_start, self.step_done = staged.step + 1, True
-        self.version += 1
-        self.moves += 1
-        self.last_locations = None
+        self.version, self.moves, self.last_locations = self.version + 1, self.moves + 1, None
         room = sum(t.capacity for t in self.tiers[:2])
         slots_S, ids_S = self.tiers[2].used_slots()
         if room and slots_S.numel():

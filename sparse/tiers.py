@@ -6,10 +6,15 @@ fancy indexing or one native copy across slabs, the page cache merges writes, an
 nothing new is installed. Measured on this machine (sparse/bench.py) it reads and writes
 millions of rows/s of dim 64-128 warm; a key-value store such as sqlite or RocksDB would
 cost a Python call (or a batch API with serialization) per row. Cold, a row is a page
-fault: the slabs are advised for random access (one page read per row, not readahead)
-and large copies run on SSD_IO_THREADS threads to keep that many reads in flight (tens
-of thousands of rows/s here, `ssd_read_rows_per_s_cold`); a preadv / io_uring engine at a
-deeper queue is the next step. Crash safety does not come from the live slabs: they are
+fault: the slabs are advised for random access (one page read per row, not readahead).
+Before a lookup touches its SSD rows, `will_need` asks the kernel for all their pages at
+once (madvise MADV_WILLNEED queues the reads and returns), so the disk works at its full
+queue depth where faults would come one per thread; the trainer does the same for the
+next batch before each step, overlapping the reads with compute (TableStore.read_ahead).
+That gave the store-only offload steps 5x and the tower's 2x (`genrec bench sparse`);
+a preadv / io_uring engine would add O_DIRECT (a DRAM budget that excludes the page
+cache) at the cost of its own row cache. Large copies also run on SSD_IO_THREADS threads.
+Crash safety does not come from the live slabs: they are
 a spill area that is recreated empty when a store opens (files of an earlier run that
 match `SLAB_FILE` are removed then), and durability comes from snapshots (snapshot.py),
 which are checksummed and published by an atomic manifest rename. A write-ahead log
@@ -171,6 +176,14 @@ class _SlabArray:
             finally:
                 os.close(fd)
 
+    def will_need(self, slots_N: torch.Tensor) -> int:
+        """Start reading the pages of these rows of file-backed slabs into the page cache,
+        without waiting (native.slab_rows_will_need); the page ranges advised. Memory slabs
+        need nothing: 0."""
+        if self.path_prefix is None or not self.slabs or not slots_N.numel():
+            return 0
+        return native.slab_rows_will_need(self._addrs, self.slab_rows, self.width * self.dtype.itemsize, slots_N)
+
     def destroy(self) -> None:
         """Drop every slab and delete its file (a store replaced by a snapshot load)."""
         if self.path_prefix is not None and not self.unlink:
@@ -263,6 +276,10 @@ class Tier:
         """See _SlabArray.drop_page_cache: rows, ids and metadata."""
         for array in (self.rows, self.ids, self.meta):
             array.drop_page_cache()
+
+    def will_need(self, slots_N: torch.Tensor) -> int:
+        """See _SlabArray.will_need: the rows, ids and metadata of these slots."""
+        return sum(array.will_need(slots_N) for array in (self.ids, self.rows, self.meta))
 
     def _grow(self) -> None:
         base = self.rows.num_rows

@@ -46,7 +46,7 @@ APPLIED = (
     "model.retrieval_weight", "model.contrastive_weight", "model.contrastive_temperature", "model.task_weights",
     "model.temperature", "model.negatives", "model.num_negatives", "model.in_batch_negatives",
     "model.full_softmax_max_items", "model.mask_seen", "model.min_target_action",
-    "data.loader.prefetch_factor", "sparse.ssd_dir", "sparse.kernels",
+    "data.loader.prefetch_factor", "sparse.ssd_dir", "sparse.kernels", "sparse.read_ahead",
 )
 """Keys a resumed run may change: each takes effect after the restore (fnmatch patterns)."""
 

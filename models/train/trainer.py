@@ -66,10 +66,11 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 class _Prefetcher:
-    """Reads and collates batch n+1 in a thread while batch n computes.
+    """Reads and collates the next batches in a thread while batch n computes: n + 1 is
+    ready when n starts (the trainer reads its SSD-tier rows ahead), n + 2 is being drawn.
 
-    The store's own `prefetch` is not called from here: it is a collective under
-    torch.distributed and would interleave with the main thread's collectives.
+    Nothing here touches the store: its calls are collectives under torch.distributed and
+    stay on the main thread, in step order.
 
     Each batch comes with the loader state captured right after drawing it: the position
     a checkpoint must save after training on it, whatever has been prefetched since.
@@ -79,7 +80,7 @@ class _Prefetcher:
         self.loader = loader
         self.iterator = iter(loader)
         self.pool = ThreadPoolExecutor(1) if enabled else None
-        self.pending = None
+        self.pending: list = []
 
     def _draw(self):
         try:
@@ -95,11 +96,13 @@ class _Prefetcher:
         return batch, self.loader.state_dict()
 
     def next(self):
+        """(batch n, loader state after it, batch n + 1 or None when not pipelined)."""
         if self.pool is None:
-            return self._draw()
-        batch, state_after = (self.pending or self.pool.submit(self._draw)).result()
-        self.pending = self.pool.submit(self._draw)
-        return batch, state_after
+            return (*self._draw(), None)
+        while len(self.pending) < 3:
+            self.pending.append(self.pool.submit(self._draw))
+        batch, state_after = self.pending.pop(0).result()
+        return batch, state_after, self.pending[0].result()[0]
 
     def close(self) -> None:
         if self.pool is not None:
@@ -133,6 +136,8 @@ class Trainer:
         # N ranks reproduce one rank's run on the same global batch.
         seed_everything(tc.seed, tc.deterministic)
         self.model, self.store = build_model(cfg, dist_info)
+        mode = cfg.sparse.read_ahead
+        self.read_ahead = tc.pipeline and (mode == "on" or (mode == "auto" and dist_info.world_size == 1))
         self.model.set_item_corpus(*load_item_corpus(cfg.data.path))
         self.optimizer = build_dense_optimizer(dense_named_parameters(self.model), tc.optim)
         self.scheduler = warmup_cosine(
@@ -246,7 +251,9 @@ class Trainer:
                 if stop.should_stop():  # collective: every rank stops at the same step
                     stopped = True
                     break
-                batch, loader_state = batches.next()
+                batch, loader_state, upcoming = batches.next()
+                if upcoming is not None and self.read_ahead:
+                    self.model.read_ahead(upcoming.to(self.dist.device, non_blocking=True))
                 parts = self.train_step(batch)
                 self.step += 1
                 fault_point("step", self.step)

@@ -34,6 +34,8 @@
 #include <string.h>
 #include <math.h>
 #include <pthread.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -159,6 +161,27 @@ static inline int64_t seg_find(const Seg *s, Tiers tv, int64_t id, uint64_t h) {
 #define AHEAD 16
 
 #define CHUNK 256
+
+/* Where each id probably is, without touching the tiers: the location of its first
+ * fingerprint match, or -1. A fingerprint collision can name another id's row, and the id
+ * slab is not read to confirm (for an SSD-resident id that read is a disk read): for
+ * read-ahead advice (slab_rows_will_need), never for reading a row. */
+void ix_candidates(const Index *ix, const int64_t *ids, int64_t n, int64_t *out) {
+    for (int64_t k = 0; k < n; k++) {
+        uint64_t h = mix64((uint64_t)ids[k]), fp = h & FP_MASK;
+        const Seg *s = &ix->seg[h >> (64 - SEG_BITS)];
+        out[k] = -1;
+        if (!s->cap) continue;
+        for (int64_t i = seg_home(h, s->cap);; i = (i + 1 == s->cap) ? 0 : i + 1) {
+            uint64_t e = s->tab[i];
+            if (!e) break;
+            if (e != TOMB && (e >> LOC_BITS) == fp) {
+                out[k] = (int64_t)entry_loc(e);
+                break;
+            }
+        }
+    }
+}
 
 /* loc of each id, -1 where absent. Three passes over each chunk of ids, so that the
  * dependent cache misses of one id (its index slot, then the id slab entry that confirms
@@ -639,4 +662,30 @@ void slab_rows_copy_mt(const int64_t *slabs, int64_t slab_rows, int64_t row_byte
         else if (share[t].n > 0)
             copy_share(&share[t]);
     }
+}
+
+/* Ask the kernel to start reading the pages that hold the rows at `slots` of a multi-slab
+ * array of memory-mapped files (madvise MADV_WILLNEED: the reads are queued and the call
+ * returns without waiting for them), so that a later copy of those rows finds them in the
+ * page cache. One call puts every row's read in flight at once: the disk's whole queue
+ * depth, where a copy that faults row by row keeps one read in flight per thread. Advice
+ * only: it changes no byte, so a row that moved since its slot was found costs a wasted
+ * read, never a wrong value. Consecutive rows on one page are advised once. Returns the
+ * number of page ranges advised. */
+int64_t slab_rows_will_need(const int64_t *slabs, int64_t slab_rows, int64_t row_bytes, const int64_t *slots,
+                            int64_t n) {
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t last = 0;
+    int64_t advised = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t s = slots[i];
+        if (s < 0) continue;
+        uintptr_t row = (uintptr_t)slabs[s / slab_rows] + (uintptr_t)((s % slab_rows) * row_bytes);
+        uintptr_t lo = row & ~(page - 1), hi = (row + (uintptr_t)row_bytes + page - 1) & ~(page - 1);
+        if (lo == last && hi == lo + page) continue;
+        madvise((void *)lo, hi - lo, MADV_WILLNEED);
+        last = lo;
+        advised++;
+    }
+    return advised;
 }
