@@ -1,8 +1,9 @@
 /* HSTU attention on the CPU (see dense/kernels.py, _HSTUChunkedFn).
  *
  * fp32: hstu_attn_fwd / hstu_attn_bwd, the whole forward and the whole backward in one pass
- * over the query rows each, no [N, N] tile; they find time buckets themselves (runs over
- * sorted histories, visible_bias) and never read a precomputed index.
+ * over the query rows each, in blocks of rows that share each load of keys and values, no
+ * [N, N] tile; they find time buckets themselves (runs over sorted histories,
+ * visible_bias) and never read a precomputed index.
  * bf16: the fused elementwise part of one tile of the chunked path. A tile is queries [i0, i0 + bq) x keys [0, K) of G rows x H heads. The matmuls stay in
  * ATen (bf16 AMX / fp32 BLAS); this file does, in one pass over the tile,
  *   forward:  a = vis(i, j) ? SiLU(alpha s + ts_w[tidx] + pos_w[rel]) : 0
@@ -400,91 +401,103 @@ static void row_extents(const tile_args *t, int64_t K, int64_t *sorted_n, int64_
   }
 }
 
-/* s[j] = b[j] + sum_c qa[c] k[j][c] for j < n8 (a multiple of 8), keys in blocks of 8:
- * kb[(j / 8) * 8 * dq + c * 8 + j % 8]. */
-static inline void scores_8(const float *kb, const float *qa, const float *b, float *s, int64_t n8,
-                            int64_t dq) {
-#if defined(__AVX2__) && defined(__FMA__)
-  /* four blocks of 8 keys at a time, two partial sums each: 8 independent FMA chains */
+/* s[r][j] = b[r][j] + sum_c qa[r][c] k[j][c] for r < R <= ROWS query rows (qa rows `qs`
+ * apart, b / s rows `bs` apart) and j < n8 (a multiple of 8), keys in blocks of 8:
+ * kb[(j / 8) * 8 * dq + c * 8 + j % 8]. A block of keys is loaded once for all R rows, so
+ * keys stream from cache R times less often than row by row (that stream bounds the
+ * one-row loop at long lengths). Each (row, key) sum runs over c in order from b, the same
+ * whatever R is: a row's scores do not depend on the rows beside it. */
+#define ROWS 4
+static inline __attribute__((always_inline)) void scores_rows_r(const float *kb, const float *qa, int64_t qs,
+                                                                const float *b, float *s, int64_t bs, int64_t n8,
+                                                                int64_t dq, const int R) {
   int64_t jb = 0;
-  for (; jb + 32 <= n8; jb += 32) {
-    const float *k0 = kb + jb * dq, *k1 = k0 + 8 * dq, *k2 = k1 + 8 * dq, *k3 = k2 + 8 * dq;
-    __m256 a0 = _mm256_loadu_ps(b + jb), a1 = _mm256_loadu_ps(b + jb + 8);
-    __m256 a2 = _mm256_loadu_ps(b + jb + 16), a3 = _mm256_loadu_ps(b + jb + 24);
-    __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0;
-    int64_t c = 0;
-    for (; c + 2 <= dq; c += 2) {
-      const __m256 x = _mm256_set1_ps(qa[c]), y = _mm256_set1_ps(qa[c + 1]);
-      a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + c * 8), a0);
-      a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1 + c * 8), a1);
-      a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2 + c * 8), a2);
-      a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3 + c * 8), a3);
-      e0 = _mm256_fmadd_ps(y, _mm256_loadu_ps(k0 + c * 8 + 8), e0);
-      e1 = _mm256_fmadd_ps(y, _mm256_loadu_ps(k1 + c * 8 + 8), e1);
-      e2 = _mm256_fmadd_ps(y, _mm256_loadu_ps(k2 + c * 8 + 8), e2);
-      e3 = _mm256_fmadd_ps(y, _mm256_loadu_ps(k3 + c * 8 + 8), e3);
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; jb + 16 <= n8; jb += 16) {  /* two key blocks x R rows: up to 8 independent FMA chains */
+    const float *k0 = kb + jb * dq, *k1 = k0 + 8 * dq;
+    __m256 a[ROWS], e[ROWS];
+    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(b + r * bs + jb), e[r] = _mm256_loadu_ps(b + r * bs + jb + 8);
+    for (int64_t c = 0; c < dq; ++c) {
+      const __m256 x0 = _mm256_loadu_ps(k0 + c * 8), x1 = _mm256_loadu_ps(k1 + c * 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = _mm256_broadcast_ss(qa + r * qs + c);
+        a[r] = _mm256_fmadd_ps(w, x0, a[r]);
+        e[r] = _mm256_fmadd_ps(w, x1, e[r]);
+      }
     }
-    if (c < dq) {
-      const __m256 x = _mm256_set1_ps(qa[c]);
-      a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + c * 8), a0);
-      a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1 + c * 8), a1);
-      a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2 + c * 8), a2);
-      a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3 + c * 8), a3);
-    }
-    _mm256_storeu_ps(s + jb, _mm256_add_ps(a0, e0));
-    _mm256_storeu_ps(s + jb + 8, _mm256_add_ps(a1, e1));
-    _mm256_storeu_ps(s + jb + 16, _mm256_add_ps(a2, e2));
-    _mm256_storeu_ps(s + jb + 24, _mm256_add_ps(a3, e3));
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(s + r * bs + jb, a[r]), _mm256_storeu_ps(s + r * bs + jb + 8, e[r]);
   }
   for (; jb < n8; jb += 8) {
-    const float *blk = kb + jb * dq;
-    __m256 acc = _mm256_loadu_ps(b + jb), e = _mm256_setzero_ps();
-    int64_t c = 0;
-    for (; c + 2 <= dq; c += 2) {
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(qa[c]), _mm256_loadu_ps(blk + c * 8), acc);
-      e = _mm256_fmadd_ps(_mm256_set1_ps(qa[c + 1]), _mm256_loadu_ps(blk + c * 8 + 8), e);
+    const float *k0 = kb + jb * dq;
+    __m256 a[ROWS];
+    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(b + r * bs + jb);
+    for (int64_t c = 0; c < dq; ++c) {
+      const __m256 x0 = _mm256_loadu_ps(k0 + c * 8);
+      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qa + r * qs + c), x0, a[r]);
     }
-    if (c < dq) acc = _mm256_fmadd_ps(_mm256_set1_ps(qa[c]), _mm256_loadu_ps(blk + c * 8), acc);
-    _mm256_storeu_ps(s + jb, _mm256_add_ps(acc, e));
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(s + r * bs + jb, a[r]);
   }
 #else
-  for (int64_t jb = 0; jb < n8; jb += 8) {
-    const float *blk = kb + jb * dq;
-    for (int l = 0; l < 8; ++l) s[jb + l] = b[jb + l];
-    for (int64_t c = 0; c < dq; ++c)
-      for (int l = 0; l < 8; ++l) s[jb + l] += qa[c] * blk[c * 8 + l];
-  }
+  for (; jb < n8; jb += 8)
+    for (int r = 0; r < R; ++r) {
+      const float *blk = kb + jb * dq;
+      float *sr = s + r * bs + jb;
+      for (int l = 0; l < 8; ++l) sr[l] = b[r * bs + jb + l];
+      for (int64_t c = 0; c < dq; ++c)
+        for (int l = 0; l < 8; ++l) sr[l] = fmaf(qa[r * qs + c], blk[c * 8 + l], sr[l]);
+    }
 #endif
 }
 
-/* o[c] = sum_{j < n} a[j] v[j][c], v [n, dv] row-major; the sum over j in a fixed order. */
-static inline void weighted_sum(const float *a, const float *v, int64_t n, int64_t dv, float *o) {
+static inline void scores_8_rows(const float *kb, const float *qa, int64_t qs, const float *b, float *s,
+                                 int64_t bs, int64_t n8, int64_t dq, int64_t R) {
+  if (R == ROWS) scores_rows_r(kb, qa, qs, b, s, bs, n8, dq, ROWS);  /* unrolled for the common case */
+  else scores_rows_r(kb, qa, qs, b, s, bs, n8, dq, (int)R);
+}
+
+/* o[r][c] = sum_{j < n} a[r][j] v[j][c] for r < R <= ROWS rows (a rows `as` apart, o rows
+ * `os` apart; a[r][j] = 0 where row r does not see key j, which adds exact zeros), v [n, dv]
+ * row-major: each value row is loaded once for all R rows. The sum over j runs in two
+ * chains (even and odd j) added at the end, the same whatever R and n are. */
+static inline __attribute__((always_inline)) void wsum_rows_r(const float *a, int64_t as, const float *v, int64_t n,
+                                                              int64_t dv, float *o, int64_t os, const int R) {
   int64_t c0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   for (; c0 + 8 <= dv; c0 += 8) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+    __m256 s0[ROWS], s1[ROWS];
+    for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_ps();
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {  /* 8 independent FMA chains */
-      const float *vj = v + j * dv + c0;
-      s0 = _mm256_fmadd_ps(_mm256_set1_ps(a[j]), _mm256_loadu_ps(vj), s0);
-      s1 = _mm256_fmadd_ps(_mm256_set1_ps(a[j + 1]), _mm256_loadu_ps(vj + dv), s1);
-      s2 = _mm256_fmadd_ps(_mm256_set1_ps(a[j + 2]), _mm256_loadu_ps(vj + 2 * dv), s2);
-      s3 = _mm256_fmadd_ps(_mm256_set1_ps(a[j + 3]), _mm256_loadu_ps(vj + 3 * dv), s3);
-      s4 = _mm256_fmadd_ps(_mm256_set1_ps(a[j + 4]), _mm256_loadu_ps(vj + 4 * dv), s4);
-      s5 = _mm256_fmadd_ps(_mm256_set1_ps(a[j + 5]), _mm256_loadu_ps(vj + 5 * dv), s5);
-      s6 = _mm256_fmadd_ps(_mm256_set1_ps(a[j + 6]), _mm256_loadu_ps(vj + 6 * dv), s6);
-      s7 = _mm256_fmadd_ps(_mm256_set1_ps(a[j + 7]), _mm256_loadu_ps(vj + 7 * dv), s7);
+    for (; j + 2 <= n; j += 2) {
+      const __m256 v0 = _mm256_loadu_ps(v + j * dv + c0), v1 = _mm256_loadu_ps(v + (j + 1) * dv + c0);
+      for (int r = 0; r < R; ++r) {
+        s0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + r * as + j), v0, s0[r]);
+        s1[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + r * as + j + 1), v1, s1[r]);
+      }
     }
-    s0 = _mm256_add_ps(s0, s4); s1 = _mm256_add_ps(s1, s5); s2 = _mm256_add_ps(s2, s6); s3 = _mm256_add_ps(s3, s7);
-    for (; j < n; ++j) s0 = _mm256_fmadd_ps(_mm256_set1_ps(a[j]), _mm256_loadu_ps(v + j * dv + c0), s0);
-    _mm256_storeu_ps(o + c0, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    if (j < n) {
+      const __m256 v0 = _mm256_loadu_ps(v + j * dv + c0);
+      for (int r = 0; r < R; ++r) s0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + r * as + j), v0, s0[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(o + r * os + c0, _mm256_add_ps(s0[r], s1[r]));
   }
 #endif
-  for (int64_t c = c0; c < dv; ++c) {
-    float acc = 0.f;
-    for (int64_t j = 0; j < n; ++j) acc += a[j] * v[j * dv + c];
-    o[c] = acc;
-  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = c0; c < dv; ++c) {
+      float e0 = 0.f, e1 = 0.f;
+      int64_t j = 0;
+      for (; j + 2 <= n; j += 2) {
+        e0 = fmaf(a[r * as + j], v[j * dv + c], e0);
+        e1 = fmaf(a[r * as + j + 1], v[(j + 1) * dv + c], e1);
+      }
+      if (j < n) e0 = fmaf(a[r * as + j], v[j * dv + c], e0);
+      o[r * os + c] = e0 + e1;
+    }
+}
+
+static inline void weighted_sum_rows(const float *a, int64_t as, const float *v, int64_t n, int64_t dv, float *o,
+                                     int64_t os, int64_t R) {
+  if (R == ROWS) wsum_rows_r(a, as, v, n, dv, o, os, ROWS);
+  else wsum_rows_r(a, as, v, n, dv, o, os, (int)R);
 }
 
 /* The whole HSTU attention forward of queries [i0, i0 + bq) in one pass, without an [N, N]
@@ -497,57 +510,72 @@ static inline void weighted_sum(const float *a, const float *v, int64_t n, int64
  * one thread in a fixed order, so results do not depend on the thread count. */
 void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, const float *kb,
                    const float *v, float *out) {
-  const int64_t K = t->K, K8 = (K + 7) / 8 * 8, H = t->H, bq = t->bq;
+  const int64_t K = t->K, K8 = (K + 7) / 8 * 8, H = t->H, bq = t->bq, W = K8 + 8;
+  const int64_t NBLK = (bq + ROWS - 1) / ROWS;
   const float alpha = t->alpha;
   int64_t *sorted_n = calloc((size_t)t->G, sizeof(int64_t)), *lin_n = calloc((size_t)t->G, sizeof(int64_t));
   row_extents(t, K, sorted_n, lin_n);
 #pragma omp parallel num_threads(t->nthreads)
   {
-    float *brow = malloc(sizeof(float) * (size_t)(K8 + 8));
-    float *srow = malloc(sizeof(float) * (size_t)(K8 + 8));
+    float *brow = malloc(sizeof(float) * (size_t)(W * ROWS));
+    float *srow = malloc(sizeof(float) * (size_t)(W * ROWS));
     row_plan rp = plan_alloc(t, K8);
-    int64_t last_g = -1, last_n = -1, last_pi = 0, last_qt = 0;
-    float *qa = malloc(sizeof(float) * (size_t)dq);
-    float *o = malloc(sizeof(float) * (size_t)dv);
-#pragma omp for collapse(2) schedule(dynamic, 16)
+    float *qa = malloc(sizeof(float) * (size_t)(dq * ROWS));
+    float *o = malloc(sizeof(float) * (size_t)(dv * ROWS));
+    int64_t nr[ROWS], ir[ROWS];
+    float bself[ROWS];
+#pragma omp for collapse(2) schedule(dynamic, 4)
     for (int64_t g = 0; g < t->G; ++g)
-      for (int64_t r = 0; r < bq; ++r) {
-        const int64_t i = t->i0 + r, h = t->hist[g];
-        if (t->len && i >= t->len[g]) {  /* padding: no keys, a zero row */
-          for (int64_t hh = 0; hh < H; ++hh) memset(out + ((g * H + hh) * bq + r) * dv, 0, sizeof(float) * (size_t)dv);
-          continue;
+      for (int64_t blk = 0; blk < NBLK; ++blk) {
+        const int64_t h = t->hist[g], len = t->len ? t->len[g] : t->N;
+        int64_t R = 0, nmax = 0;
+        for (int64_t r = blk * ROWS; r < bq && r < (blk + 1) * ROWS; ++r) {
+          const int64_t i = t->i0 + r;
+          if (i >= len) {  /* padding: no keys, a zero row */
+            for (int64_t hh = 0; hh < H; ++hh) memset(out + ((g * H + hh) * bq + r) * dv, 0, sizeof(float) * (size_t)dv);
+            continue;
+          }
+          int64_t n = i < h ? i + 1 : h;
+          n = n < K ? n : K;
+          float *br = brow + R * W;
+          /* candidates of one row share position and query time: their bias rows are equal */
+          const int same = R > 0 && n == nr[R - 1] && t->pos[g * t->N + i] == t->pos[g * t->N + ir[R - 1]] &&
+                           (!t->ts || query_time(t, g, i) == query_time(t, g, ir[R - 1]));
+          if (same) memcpy(br, br - W, sizeof(float) * (size_t)n);
+          else visible_bias(t, g, i, n, sorted_n[g], lin_n[g], br, &rp);
+          bself[R] = i >= h && i < K ? pair_bias(t, g, i, i) : 0.f;
+          ir[R] = i, nr[R] = n, nmax = n > nmax ? n : nmax;
+          ++R;
         }
-        int64_t n = i < h ? i + 1 : h;
-        n = n < K ? n : K;
-        const int64_t n8 = (n + 7) / 8 * 8;
-        const int self = i >= h && i < K;
-        /* candidates of one row share position and query time: their bias rows are equal */
-        const int64_t pi = t->pos[g * t->N + i], qt = t->ts ? query_time(t, g, i) : 0;
-        if (!(g == last_g && n == last_n && pi == last_pi && qt == last_qt)) {
-          visible_bias(t, g, i, n, sorted_n[g], lin_n[g], brow, &rp);
-          last_g = g, last_n = n, last_pi = pi, last_qt = qt;
-        }
-        for (int64_t j = n; j < n8; ++j) brow[j] = 0.f;
-        const float bself = self ? pair_bias(t, g, i, i) : 0.f;
+        if (!R) continue;
+        const int64_t n8 = (nmax + 7) / 8 * 8;
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t j = nr[r]; j < n8; ++j) brow[r * W + j] = 0.f;
         for (int64_t hh = 0; hh < H; ++hh) {
           const int64_t gh = g * H + hh;
-          const float *qr = q + (gh * bq + r) * dq;
           const float *kg = kb + gh * dq * K8, *vg = v + gh * K * dv;
-          for (int64_t c = 0; c < dq; ++c) qa[c] = alpha * qr[c];
-          scores_8(kg, qa, brow, srow, n8, dq);
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t c = 0; c < dq; ++c) qa[r * dq + c] = alpha * q[(gh * bq + ir[r] - t->i0) * dq + c];
+          scores_8_rows(kg, qa, dq, brow, srow, W, n8, dq, R);
+          for (int64_t r = 0; r < R; ++r) {
+            float *sr = srow + r * W;
+            const int64_t n = nr[r];
 #pragma omp simd
-          for (int64_t j = 0; j < n8; ++j) srow[j] = srow[j] / (1.f + expf(fminf(-srow[j], 80.f)));
-          float aself = 0.f;
-          if (self) {
-            const float *blk = kg + (i / 8) * 8 * dq;
-            float x = bself;
-            for (int64_t c = 0; c < dq; ++c) x += qa[c] * blk[c * 8 + i % 8];
-            aself = x / (1.f + expf(fminf(-x, 80.f)));
+            for (int64_t j = 0; j < n; ++j) sr[j] = sr[j] / (1.f + expf(fminf(-sr[j], 80.f)));
+            for (int64_t j = n; j < nmax; ++j) sr[j] = 0.f;  /* keys this row does not see */
           }
-          weighted_sum(srow, vg, n, dv, o);
-          if (self)
-            for (int64_t c = 0; c < dv; ++c) o[c] += aself * vg[i * dv + c];
-          memcpy(out + (gh * bq + r) * dv, o, sizeof(float) * (size_t)dv);
+          weighted_sum_rows(srow, W, vg, nmax, dv, o, dv, R);
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t i = ir[r];
+            if (i >= h && i < K) {  /* a candidate's own key */
+              const float *blk = kg + (i / 8) * 8 * dq;
+              float x = bself[r];
+              for (int64_t c = 0; c < dq; ++c) x += qa[r * dq + c] * blk[c * 8 + i % 8];
+              const float aself = x / (1.f + expf(fminf(-x, 80.f)));
+              for (int64_t c = 0; c < dv; ++c) o[r * dv + c] += aself * vg[i * dv + c];
+            }
+            memcpy(out + (gh * bq + i - t->i0) * dv, o + r * dv, sizeof(float) * (size_t)dv);
+          }
         }
       }
     free(brow); free(srow); free(qa); free(o);
@@ -556,34 +584,48 @@ void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
   free(sorted_n); free(lin_n);
 }
 
-/* y[j][c] += s[j] x[c] for j < n, c < d (y row-major [n, d]): row by row, so each row of y
- * is read and written once. */
-static inline void rank1_rows(const float *s, const float *x, float *y, int64_t n, int64_t d) {
+/* y[j][c] += sum_{r < R} s[r][j] x[r][c] for j < n, c < d (y row-major [n, d]; s rows
+ * `ss` apart, x rows `xs` apart): each row of y is read and written once for R updates. */
+static inline void rank_r_rows(const float *s, int64_t ss, const float *x, int64_t xs, int64_t R, float *y,
+                               int64_t n, int64_t d) {
   const int64_t d8 = d / 8 * 8;
   for (int64_t j = 0; j < n; ++j) {
     float *yj = y + j * d;
     int64_t c = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    const __m256 sj = _mm256_set1_ps(s[j]);
-    for (; c < d8; c += 8) _mm256_storeu_ps(yj + c, _mm256_fmadd_ps(sj, _mm256_loadu_ps(x + c), _mm256_loadu_ps(yj + c)));
+    for (; c < d8; c += 8) {
+      __m256 acc = _mm256_loadu_ps(yj + c);
+      for (int64_t r = 0; r < R; ++r)
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[r * ss + j]), _mm256_loadu_ps(x + r * xs + c), acc);
+      _mm256_storeu_ps(yj + c, acc);
+    }
 #endif
-    for (; c < d; ++c) yj[c] += s[j] * x[c];
+    for (; c < d; ++c) {
+      float acc = yj[c];
+      for (int64_t r = 0; r < R; ++r) acc += s[r * ss + j] * x[r * xs + c];
+      yj[c] = acc;
+    }
   }
 }
 
-/* The whole HSTU attention backward in one pass over the query rows, no [N, N] tile: per
- * row the scores and da = do . v again, a = SiLU(x) and ds = da SiLU'(x) on the visible
- * keys, then dq_i = alpha sum_j ds_j k_j, and dk_j += alpha ds_j q_i, dv_j += a_j do_i into
- * per-thread partial sums (added up in thread order at the end), and the bias gradients.
+#define BWD_ROWS 8
+
+/* The whole HSTU attention backward in one pass over the query rows, no [N, N] tile, in
+ * blocks of BWD_ROWS consecutive rows: per row the scores and da = do . v again, a =
+ * SiLU(x) and ds = da SiLU'(x) on the visible keys, dq_i = alpha sum_j ds_j k_j; then per
+ * block dk_j += alpha sum_i ds_ij q_i and dv_j += sum_i a_ij do_i over its rows at once (a
+ * key's row of dk / dv is read and written once per block, not once per query), into
+ * per-thread partial sums added up in thread order at the end; and the bias gradients.
  *   q [G, H, N, dq]; kb, vb: keys / values in blocks of 8 as in hstu_attn_fwd; k [G, H, N, dq];
  *   dout [G, H, N, dv] (already scaled by 1/n); dq_out, dk_out [G, H, N, dq], dv_out
  *   [G, H, N, dv] (written); d_ts / d_pos: float64, added to.
- * Rows are dealt to threads in a fixed pattern and every partial sum is added in thread
+ * Blocks are dealt to threads in a fixed pattern and every partial sum is added in a fixed
  * order, so a run repeats its bits for a given thread count. */
 void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, const float *kb,
                    const float *vb, const float *k, const float *dout, float *dq_out, float *dk_out,
                    float *dv_out, double *d_ts, double *d_pos) {
-  const int64_t K = t->N, K8 = (K + 7) / 8 * 8, H = t->H, G = t->G;
+  const int64_t K = t->N, K8 = (K + 7) / 8 * 8, H = t->H, G = t->G, W = K8 + 8;
+  const int64_t NBLK = (K + BWD_ROWS - 1) / BWD_ROWS;
   const float alpha = t->alpha;
   const int nthreads = t->nthreads;
   const size_t nts = (size_t)t->NB + 1, npos = (size_t)t->P;
@@ -594,78 +636,107 @@ void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
   float *all_dv = calloc(nv * (size_t)nthreads, sizeof(float));
   int64_t *sorted_n = calloc((size_t)G, sizeof(int64_t)), *lin_n = calloc((size_t)G, sizeof(int64_t));
   row_extents(t, K, sorted_n, lin_n);
-  float *zeros = calloc((size_t)(K8 + 8), sizeof(float));
+  float *zeros = calloc((size_t)(W * ROWS), sizeof(float));
 #pragma omp parallel num_threads(nthreads)
   {
-    float *brow = malloc(sizeof(float) * (size_t)(K8 + 8));
-    float *xrow = malloc(sizeof(float) * (size_t)(K8 + 8));
-    float *grow = malloc(sizeof(float) * (size_t)(K8 + 8));
-    float *arow = malloc(sizeof(float) * (size_t)(K8 + 8));
-    float *srow = malloc(sizeof(float) * (size_t)(K8 + 8));
-    float *drow = malloc(sizeof(float) * (size_t)(K8 + 8));
-    float *qa = malloc(sizeof(float) * (size_t)dq);
-    float *o = malloc(sizeof(float) * (size_t)dq);
-    row_plan rp = plan_alloc(t, K8);
+    float *brow = malloc(sizeof(float) * (size_t)(W * BWD_ROWS));  /* per row of the block */
+    float *drow = malloc(sizeof(float) * (size_t)(W * BWD_ROWS));
+    float *arow = malloc(sizeof(float) * (size_t)(W * BWD_ROWS));
+    float *srow = malloc(sizeof(float) * (size_t)(W * BWD_ROWS));
+    float *xrow = malloc(sizeof(float) * (size_t)(W * ROWS)), *grow = malloc(sizeof(float) * (size_t)(W * ROWS));
+    float *qa = malloc(sizeof(float) * (size_t)(dq * BWD_ROWS));
+    float *o = malloc(sizeof(float) * (size_t)(dq * ROWS));
+    double dself[BWD_ROWS];
+    int64_t nr[BWD_ROWS];
+    int self[BWD_ROWS];
+    row_plan rp[BWD_ROWS];
+    for (int r = 0; r < BWD_ROWS; ++r) rp[r] = plan_alloc(t, K8);
     const int tid = omp_get_thread_num();
     double *lts = all_ts ? all_ts + nts * (size_t)tid : NULL;
     double *lpos = all_pos ? all_pos + npos * (size_t)tid : NULL;
     float *ldk = all_dk + nk * (size_t)tid, *ldv = all_dv + nv * (size_t)tid;
-#pragma omp for collapse(2) schedule(static, 4)
+#pragma omp for collapse(2) schedule(static, 1)
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t i = 0; i < K; ++i) {
-        const int64_t h = t->hist[g];
-        if (t->len && i >= t->len[g]) {  /* padding: a zero dq row, nothing else */
+      for (int64_t blk = 0; blk < NBLK; ++blk) {
+        const int64_t h = t->hist[g], i0 = blk * BWD_ROWS;
+        const int64_t len = t->len ? t->len[g] : K;
+        int64_t i1 = i0 + BWD_ROWS < K ? i0 + BWD_ROWS : K;
+        for (int64_t i = (i0 < len ? len : i0); i < i1; ++i)  /* padding: zero dq rows, nothing else */
           for (int64_t hh = 0; hh < H; ++hh) memset(dq_out + ((g * H + hh) * K + i) * dq, 0, sizeof(float) * (size_t)dq);
-          continue;
+        if (i1 > len) i1 = len;
+        const int64_t R = i1 - i0;
+        if (R <= 0) continue;
+        int64_t nmax = 0;
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t i = i0 + r;
+          nr[r] = i < h ? i + 1 : h;
+          self[r] = i >= h;
+          dself[r] = 0.0;
+          if (nr[r] > nmax) nmax = nr[r];
+          float *br = brow + r * W;
+          visible_bias(t, g, i, nr[r], sorted_n[g], lin_n[g], br, &rp[r]);
+          for (int64_t j = 0; j < nr[r]; ++j) drow[r * W + j] = 0.f;
         }
-        const int64_t n = i < h ? i + 1 : h;
-        const int64_t n8 = (n + 7) / 8 * 8;
-        const int self = i >= h;
-        visible_bias(t, g, i, n, sorted_n[g], lin_n[g], brow, &rp);
-        for (int64_t j = n; j < n8; ++j) brow[j] = 0.f;
-        for (int64_t j = 0; j < n; ++j) drow[j] = 0.f;
-        double dself = 0.0;
-        const float bself = self ? pair_bias(t, g, i, i) : 0.f;
+        const int64_t n8max = (nmax + 7) / 8 * 8;
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t j = nr[r]; j < n8max; ++j) brow[r * W + j] = 0.f;
         for (int64_t hh = 0; hh < H; ++hh) {
           const int64_t gh = g * H + hh;
-          const float *qr = q + (gh * K + i) * dq, *dor = dout + (gh * K + i) * dv;
           const float *kg = kb + gh * dq * K8, *vg = vb + gh * dv * K8, *kr = k + gh * K * dq;
           float *dkg = ldk + gh * K * dq, *dvg = ldv + gh * K * dv;
-          for (int64_t c = 0; c < dq; ++c) qa[c] = alpha * qr[c];
-          scores_8(kg, qa, brow, xrow, n8, dq);
-          scores_8(vg, dor, zeros, grow, n8, dv);
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t c = 0; c < dq; ++c) qa[r * dq + c] = alpha * q[(gh * K + i0 + r) * dq + c];
+          for (int64_t r0 = 0; r0 < R; r0 += ROWS) {  /* scores of ROWS rows per pass over the keys */
+            const int64_t m = R - r0 < ROWS ? R - r0 : ROWS;
+            scores_8_rows(kg, qa + r0 * dq, dq, brow + r0 * W, xrow, W, n8max, dq, m);
+            scores_8_rows(vg, dout + (gh * K + i0 + r0) * dv, dv, zeros, grow, W, n8max, dv, m);
+            for (int64_t r = r0; r < r0 + m; ++r) {
+              const int64_t n = nr[r];
+              const float *xr = xrow + (r - r0) * W, *gr = grow + (r - r0) * W;
+              float *ar = arow + r * W, *sr = srow + r * W, *dr = drow + r * W;
 #pragma omp simd
-          for (int64_t j = 0; j < n; ++j) {
-            const float x = xrow[j], sg = 1.f / (1.f + expf(fminf(-x, 80.f)));
-            arow[j] = x * sg;
-            srow[j] = grow[j] * sg * (1.f + x * (1.f - sg));
-            drow[j] += srow[j];
+              for (int64_t j = 0; j < n; ++j) {
+                const float x = xr[j], sg = 1.f / (1.f + expf(fminf(-x, 80.f)));
+                ar[j] = x * sg;
+                sr[j] = gr[j] * sg * (1.f + x * (1.f - sg));
+                dr[j] += sr[j];
+              }
+              for (int64_t j = n; j < nmax; ++j) ar[j] = sr[j] = 0.f;  /* keys this row does not see */
+            }
+            weighted_sum_rows(srow + r0 * W, W, kr, nmax, dq, o, dq, m);
+            for (int64_t r = r0; r < r0 + m; ++r) {
+              const int64_t i = i0 + r;
+              float *orow = o + (r - r0) * dq;
+              if (self[r]) {  /* the candidate's own key: relative position 0 */
+                const float *qar = qa + r * dq, *dor = dout + (gh * K + i) * dv;
+                float x = pair_bias(t, g, i, i), da = 0.f;
+                for (int64_t c = 0; c < dq; ++c) x += qar[c] * kr[i * dq + c];
+                for (int64_t c = 0; c < dv; ++c) da += dor[c] * vg[(i / 8) * 8 * dv + c * 8 + i % 8];
+                const float sg = 1.f / (1.f + expf(fminf(-x, 80.f)));
+                const float dsi = da * sg * (1.f + x * (1.f - sg)), ai = x * sg;
+                dself[r] += dsi;
+                for (int64_t c = 0; c < dq; ++c) orow[c] += dsi * kr[i * dq + c];
+                for (int64_t c = 0; c < dq; ++c) dkg[i * dq + c] += dsi * qar[c];
+                for (int64_t c = 0; c < dv; ++c) dvg[i * dv + c] += ai * dor[c];
+              }
+              float *dqr = dq_out + (gh * K + i) * dq;
+              for (int64_t c = 0; c < dq; ++c) dqr[c] = alpha * orow[c];
+            }
           }
-          weighted_sum(srow, kr, n, dq, o);
-          rank1_rows(srow, qa, dkg, n, dq);  /* dk_j += ds_j (alpha q_i) */
-          rank1_rows(arow, dor, dvg, n, dv);
-          if (self) {
-            float x = bself, da = 0.f;
-            for (int64_t c = 0; c < dq; ++c) x += qa[c] * kr[i * dq + c];
-            for (int64_t c = 0; c < dv; ++c) da += dor[c] * vg[(i / 8) * 8 * dv + c * 8 + i % 8];
-            const float sg = 1.f / (1.f + expf(fminf(-x, 80.f)));
-            const float dsi = da * sg * (1.f + x * (1.f - sg)), ai = x * sg;
-            dself += dsi;
-            for (int64_t c = 0; c < dq; ++c) o[c] += dsi * kr[i * dq + c];
-            for (int64_t c = 0; c < dq; ++c) dkg[i * dq + c] += dsi * qa[c];
-            for (int64_t c = 0; c < dv; ++c) dvg[i * dv + c] += ai * dor[c];
-          }
-          float *dqr = dq_out + (gh * K + i) * dq;
-          for (int64_t c = 0; c < dq; ++c) dqr[c] = alpha * o[c];
+          rank_r_rows(srow, W, qa, dq, R, dkg, nmax, dq);  /* dk_j += sum_i ds_ij (alpha q_i) */
+          rank_r_rows(arow, W, dout + (gh * K + i0) * dv, dv, R, dvg, nmax, dv);
         }
-        visible_bias_grad(t, &rp, drow, lts, lpos);
-        if (self) {  /* the candidate's own key: relative position 0 */
-          if (lts) lts[time_bucket(t, query_time(t, g, i), t->ts[g * t->N + i])] += dself;
-          if (lpos) lpos[0] += dself;
+        for (int64_t r = 0; r < R; ++r) {
+          visible_bias_grad(t, &rp[r], drow + r * W, lts, lpos);
+          if (self[r]) {
+            const int64_t i = i0 + r;
+            if (lts) lts[time_bucket(t, query_time(t, g, i), t->ts[g * t->N + i])] += dself[r];
+            if (lpos) lpos[0] += dself[r];
+          }
         }
       }
-    free(brow); free(xrow); free(grow); free(arow); free(srow); free(drow); free(qa); free(o);
-    plan_free(&rp);
+    free(brow); free(drow); free(arow); free(srow); free(xrow); free(grow); free(qa); free(o);
+    for (int r = 0; r < BWD_ROWS; ++r) plan_free(&rp[r]);
   }
   /* the per-thread partial sums, in thread order */
 #pragma omp parallel for schedule(static) num_threads(nthreads)

@@ -1,6 +1,6 @@
 """The SSD tier's scale run: a table larger than RAM, trained, snapshotted, killed and resumed.
 
-    python -m genrec.scripts.scale_run --dir /big/disk/scale --rows 100000000
+    python -m genrec.models.train.scale_run --dir /big/disk/scale --rows 100000000
 
 One rank, one table at dim 64 (row-wise Adagrad) with `--host-rows` in DRAM and the rest
 on the SSD tier in `--dir`; the demo-size HSTU tower (Adam) reads rows of 64 Zipf(1.05) ids
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("scale run: --kill-at must be at least --snapshot-every and below --steps")
     os.makedirs(os.path.join(args.dir, "ssd"))
     log = os.path.join(args.dir, "steps.jsonl")
-    cmd = [sys.executable, "-m", "genrec.scripts.scale_run", *(argv if argv is not None else sys.argv[1:]), "--log", log]
+    cmd = [sys.executable, "-m", "genrec.models.train.scale_run", *(argv if argv is not None else sys.argv[1:]), "--log", log]
     first = subprocess.run(cmd)
     if first.returncode != -signal.SIGKILL:
         raise SystemExit(f"scale run: the first process ended with exit {first.returncode}, not killed after "
