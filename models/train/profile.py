@@ -120,8 +120,10 @@ def profile_training(cfg: JobConfig, steps: int, out: str | Path, overwrite: boo
 
     def step(i: int) -> None:
         nonlocal flops, loader_state
-        with record_function("genrec.data"):
-            batch, loader_state = batches.next()
+        with record_function("genrec.data"):  # the batch, and the read-ahead of the next one's SSD rows
+            batch, loader_state, upcoming = batches.next()
+            if upcoming is not None and trainer.read_ahead:
+                trainer.model.read_ahead(upcoming)
         trainer.train_step(batch)
         trainer.step += 1
         if i:
@@ -153,7 +155,9 @@ def profile_sparse(cfg: JobConfig, steps: int, out: str | Path, overwrite: bool 
     def step(i: int) -> None:
         nonlocal lookups
         with record_function("genrec.data"):
-            batch, _ = batches.next()
+            batch, _, upcoming = batches.next()
+            if upcoming is not None and trainer.read_ahead:
+                embeddings.read_ahead([upcoming.history])
         if batch.num_tokens:
             trainer.store.set_event_time(int(batch.timestamps_T.max()))
         with record_function("genrec.sparse_forward"):
