@@ -306,9 +306,8 @@ class TableStore:
             self.expire(now)
 
     def read_ahead(self, ids_N: torch.Tensor) -> int:
-        """Start the disk reads of the SSD-tier pages (rows, ids, metadata) a lookup of these ids
-        will touch, all at once, without waiting: the disk works at its queue depth, not a fault
-        at a time. Advice only (Tier.will_need). Returns the page ranges advised."""
+        """Start the disk reads of the SSD-tier pages (rows, ids, metadata) a lookup of these ids will
+        touch, all at once, without waiting (advice only: Tier.will_need); the page ranges advised."""
         loc_N = self.index.candidates(ids_N) if self.native and self.tiers[2].num_used else None
         return 0 if loc_N is None else self.tiers[2].will_need(loc_N[(loc_N & 3) == 2] >> 2)  # absent: -1
 
@@ -522,7 +521,8 @@ class TableStore:
         writes (a row changes only in an optimizer step after a lookup; moving between
         tiers changes none); their rows alone are read."""
         for tier in self.tiers:
-            for ids_slab, rows_slab, meta_slab in zip(tier.ids.slabs, tier.rows.slabs, tier.meta.slabs):
+            for s, (ids_slab, rows_slab, meta_slab) in enumerate(zip(tier.ids.slabs, tier.rows.slabs, tier.meta.slabs)):
+                tier.will_need_slabs(s, s + 2, rows=not changed_only)  # this slab and the next, read whole
                 keep = ids_slab.view(-1) >= 0
                 if changed_only:
                     keep &= meta_slab[:, META_LAST_ACCESS] > self.snapshot_step

@@ -35,6 +35,16 @@ def _io() -> dict[str, int]:
     return {k: int(fields[k]) for k in ("read_bytes", "write_bytes")}
 
 
+def _memory() -> dict[str, int]:
+    """Peak RSS (mapped slab pages the kernel may evict count in it) and the heap's share now."""
+    out = {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    for line in open("/proc/self/status"):
+        if line.startswith(("RssAnon", "RssFile")):
+            key, val = line.split(":")
+            out[key.strip().lower() + "_bytes"] = int(val.split()[0]) * 1024
+    return out
+
+
 def _say(msg: str) -> None:
     print(f"[scale run] {msg}", file=sys.stderr, flush=True)
 
@@ -107,7 +117,7 @@ def train(args) -> None:
             if (start >> 20) % 16 == 0:
                 _say(f"materialized {start + ids.numel():,} / {args.rows:,} rows")
         report["materialize_seconds"] = time.perf_counter() - t0
-        report["materialize_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        report.update(_memory())
         log.write(json.dumps({"report": dict(report, process="first")}) + "\n")
         log.flush()
         report = {}
@@ -132,12 +142,12 @@ def train(args) -> None:
             log.write(json.dumps({"progress": {"process": "resumed" if args.resume else "first", "step": step,
                                                "steps_per_s": done / (time.perf_counter() - t0),
                                                "io": {k: v - io0[k] for k, v in _io().items()},
-                                               "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                                               **_memory(),
                                                "snapshot": snaps[-1]}}) + "\n")
     seconds = time.perf_counter() - t0
     report.update(steps=args.steps - first + 1, train_seconds=seconds, steps_per_s=(args.steps - first + 1) / seconds,
                   io={k: v - io0[k] for k, v in _io().items()}, snapshots=snaps, process="resumed" if args.resume else "first",
-                  max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  **_memory(),
                   stats=tec.stats()["t"])
     log.write(json.dumps({"report": report}) + "\n")
 

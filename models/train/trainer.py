@@ -253,7 +253,7 @@ class Trainer:
                     break
                 batch, loader_state, upcoming = batches.next()
                 if upcoming is not None and self.read_ahead:
-                    self.model.read_ahead(upcoming.to(self.dist.device, non_blocking=True))
+                    self.model.read_ahead(upcoming)  # ids go to the store on the host: no device copy
                 parts = self.train_step(batch)
                 self.step += 1
                 fault_point("step", self.step)
