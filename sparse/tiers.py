@@ -54,6 +54,7 @@ SSD_IO_MIN_ROWS = 1024
 """Smaller batches are copied on the calling thread (starting threads costs more)."""
 _MADV_RANDOM = 1
 _MADV_WILLNEED = 3
+_WILLNEED_CHUNK = 128 << 10
 _MADV_DONTNEED = 4
 _MS_SYNC = 4
 _libc = None
@@ -188,11 +189,15 @@ class _SlabArray:
     def will_need_slabs(self, lo: int, hi: int) -> None:
         """Start reading file-backed slabs [lo, hi) whole, without waiting: the kernel reads a
         range in large requests, where a pass over slabs advised random faults a page at a
-        time (measured ~50 MB/s for a snapshot of an SSD tier on this disk)."""
+        time. A full pass over a cold 3M-row SSD tier (iter_rows, a snapshot's reads)
+        measured 1.0-1.25 GB/s of rows with it, 42-46 MB/s without."""
         if self.path_prefix is None:
             return
         for slab in self.slabs[lo:hi]:
-            _c_library().madvise(slab.data_ptr(), slab.numel() * slab.element_size(), _MADV_WILLNEED)
+            # in pieces: Linux reads at most the device's readahead window per call (read_ahead_kb)
+            start, end = slab.data_ptr(), slab.data_ptr() + slab.numel() * slab.element_size()
+            for a in range(start & ~4095, end, _WILLNEED_CHUNK):
+                _c_library().madvise(a, min(_WILLNEED_CHUNK, end - a), _MADV_WILLNEED)
 
     def destroy(self) -> None:
         """Drop every slab and delete its file (a store replaced by a snapshot load)."""
