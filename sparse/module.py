@@ -422,7 +422,8 @@ class TieredEmbeddingCollection(nn.Module):
                 for name, feats in self._ids_per_table(kjt):
                     ids = torch.cat([jt.values() for _, jt in feats]).to(torch.int64).cpu()
                     if self.world_size > 1:
-                        ids = _Exchange(torch.unique(ids), self.group).to_owner(torch.unique(ids))
+                        ids = torch.unique(ids)
+                        ids = _Exchange(ids, self.group).to_owner(ids)
                     advised += self.stores[name].read_ahead(ids)
         return advised
 
