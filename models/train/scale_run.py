@@ -201,7 +201,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _du(path: str) -> int:
-    return sum(os.stat(os.path.join(r, f)).st_blocks * 512 for r, _, fs in os.walk(path) for f in fs)
+    """Allocated bytes under `path`, a hard-linked file (a delta's links to its base) once."""
+    seen = {}
+    for root, _, files in os.walk(path):
+        for f in files:
+            st = os.stat(os.path.join(root, f))
+            seen[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    return sum(seen.values())
 
 
 if __name__ == "__main__":
