@@ -126,14 +126,14 @@ class JaggedLayout:
             idx_GN = self.offsets_B1[rows_G][:, None] + ar_N[None, :]
             valid_GN = ar_N[None, :] < self.lengths_B[rows_G][:, None]
             idx_GN = torch.where(valid_GN, idx_GN, torch.full_like(idx_GN, T))
-            hist_G = self.history_lengths_B[rows_G]
+            hist_G, len_G = self.history_lengths_B[rows_G], self.lengths_B[rows_G]
             ts_GN = pad_ts[idx_GN]
             buckets.append(LengthBucket(
                 num_rows=len(rows), max_len=N, history_lengths_G=hist_G,
-                lengths_G=self.lengths_B[rows_G],
+                lengths_G=len_G,
                 positions_GN=pad_pos[idx_GN], timestamps_GN=ts_GN,
                 query_timestamps_GN=ts_GN if own_query_ts else pad_qts[idx_GN],
-                has_targets=bool((hist_G < self.lengths_B[rows_G]).any())))
+                has_targets=bool((hist_G < len_G).any())))
             gathers.append(idx_GN.reshape(-1))
         gather = torch.cat(gathers) if gathers else torch.zeros(0, dtype=torch.long, device=device)
         scatter = torch.empty(T, dtype=torch.long, device=device)

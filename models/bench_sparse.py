@@ -16,7 +16,6 @@ module adds the tower, which that floor may not import.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 
 import torch
@@ -49,15 +48,12 @@ def run(quick: bool) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the store's benches: one intra-op thread
     try:
-        root = tempfile.mkdtemp(prefix="genrec_offload_bench_")
-        try:
+        with tempfile.TemporaryDirectory(prefix="genrec_offload_bench_") as root:
             sparse_bench._log("offload with the tower")
             result.update(sparse_bench.bench_offload(
                 num_rows=100_000 if quick else 2_000_000, host_rows=10_000 if quick else 200_000,
                 batch=rows * 64, steps=6 if quick else 20, root=root, key="offload_ratio",
                 step=_tower_step(rows)))
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
     finally:
         torch.set_num_threads(threads)
     sparse_bench._log(f"offload_ratio {result['offload_ratio']:.3f}")

@@ -522,7 +522,7 @@ class TableStore:
         tiers changes none); their rows alone are read."""
         for tier in self.tiers:
             for s, (ids_slab, rows_slab, meta_slab) in enumerate(zip(tier.ids.slabs, tier.rows.slabs, tier.meta.slabs)):
-                tier.will_need_slabs(s, s + 2, rows=not changed_only)  # this slab and the next, read whole
+                tier.will_need_slabs(s if s == 0 else s + 1, s + 2, rows=not changed_only)  # each slab once, one ahead
                 keep = ids_slab.view(-1) >= 0
                 if changed_only:
                     keep &= meta_slab[:, META_LAST_ACCESS] > self.snapshot_step

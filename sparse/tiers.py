@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import re
 
@@ -196,7 +197,7 @@ class _SlabArray:
         for slab in self.slabs[lo:hi]:
             # in pieces: Linux reads at most the device's readahead window per call (read_ahead_kb)
             start, end = slab.data_ptr(), slab.data_ptr() + slab.numel() * slab.element_size()
-            for a in range(start & ~4095, end, _WILLNEED_CHUNK):
+            for a in range(start & ~(mmap.PAGESIZE - 1), end, _WILLNEED_CHUNK):
                 _c_library().madvise(a, min(_WILLNEED_CHUNK, end - a), _MADV_WILLNEED)
 
     def destroy(self) -> None:

@@ -122,8 +122,7 @@ def profile_training(cfg: JobConfig, steps: int, out: str | Path, overwrite: boo
         nonlocal flops, loader_state
         with record_function("genrec.data"):  # the batch, and the read-ahead of the next one's SSD rows
             batch, loader_state, upcoming = batches.next()
-            if upcoming is not None and trainer.read_ahead:
-                trainer.model.read_ahead(upcoming)
+            trainer.read_ahead_next(upcoming)
         trainer.train_step(batch)
         trainer.step += 1
         if i:

@@ -228,6 +228,12 @@ class Trainer:
         parts["lr"] = self.scheduler.get_last_lr()[0]
         return parts
 
+    def read_ahead_next(self, upcoming) -> None:
+        """Start the disk reads of the next batch's SSD-tier rows (sparse.read_ahead), from the
+        host batch: its ids go to the store on the host, so no device copy."""
+        if upcoming is not None and self.read_ahead:
+            self.model.read_ahead(upcoming)
+
     def train(self) -> list[float]:
         """Train to `max_steps`; returns this process's losses (for tests and golden files)."""
         tc = self.cfg.train
@@ -252,8 +258,7 @@ class Trainer:
                     stopped = True
                     break
                 batch, loader_state, upcoming = batches.next()
-                if upcoming is not None and self.read_ahead:
-                    self.model.read_ahead(upcoming)  # ids go to the store on the host: no device copy
+                self.read_ahead_next(upcoming)
                 parts = self.train_step(batch)
                 self.step += 1
                 fault_point("step", self.step)
