@@ -24,9 +24,8 @@ Index memory at scale (native). An entry is 8 bytes (22 fingerprint bits + locat
 churns): 9.4-13.3 bytes per row, measured 10.3 on 500K rows (`genrec bench sparse`); a
 rebuild holds one segment twice. 1B rows on a rank: about 11 GB of index in DRAM, beside
 8 GB of id slabs and 24 GB of metadata that live with the rows in their tier (SSD rows: in
-mapped files). A lookup confirms a fingerprint match against the id slab, so SSD-resident
-ids cost a page read, started for all of them at once first (read_ahead); locations
-have 40 slot bits per tier (10^12 rows).
+mapped files). A lookup confirms a fingerprint match against the id slab (an SSD id: a page
+read, read ahead); locations have 40 slot bits per tier (10^12 rows).
 
 Legend: U = unique ids in a call, W = packed row width (values + optimizer state).
 """
@@ -99,8 +98,7 @@ class TableStore:
         self.window_start, self.step_done = 1, True
         self.version = 0  # bumped whenever any row changes tier or slot, and by every optimizer step
         self.moves = 0  # bumped whenever any row changes tier or slot (a native location's validity)
-        self.last_locations = None
-        self.last_sweep = None
+        self.last_locations = self.last_sweep = None
         # Since the last snapshot saved or loaded (for deltas): its lookup count, and the ids
         # removed after it while track_removals (given up, None, past a table's worth).
         self.snapshot_step, self.track_removals, self._removed_count = 0, False, 0
@@ -129,15 +127,13 @@ class TableStore:
 
     def _set_loc(self, ids_N: torch.Tensor, slots_N: torch.Tensor, t: int) -> None:
         """Index rows just written (ids in their slots) that have no entry."""
-        self.version += 1
-        self.moves += 1
+        self.version, self.moves = self.version + 1, self.moves + 1
         self.index.insert(ids_N, (slots_N << 2) | t, self._tier_view())
 
     def _detach(self, ids_N: torch.Tensor) -> None:
         """Take rows out of the index while their slots still hold them: a moving row
         leaves the index before its old slot is freed and returns once placed."""
-        self.version += 1
-        self.moves += 1
+        self.version, self.moves = self.version + 1, self.moves + 1
         self.index.remove(ids_N, self._tier_view())
 
     def _remove(self, ids_N, tier_N, slot_N) -> None:
@@ -189,9 +185,11 @@ class TableStore:
         if not tier.growable:
             free = tier.num_free()
             if n > free:
-                # Evict 1/32 of the tier beyond what is needed (a low watermark), so the
-                # O(capacity) victim search runs every few steps rather than every step.
-                victims = self._victims(t, n - free + tier.capacity // 32)
+                # Evict beyond the need (a low watermark): 1/32 of the tier for the reference's
+                # O(capacity) search, so it runs every few steps; 1/256 for CLOCK, whose rows then
+                # go to SSD slots freed a step or two ago, on pages still cached (at 1/32 a host
+                # eviction read 35 MB of cold pages at `genrec bench sparse` full size).
+                victims = self._victims(t, n - free + tier.capacity // (256 if self.native else 32))
                 if victims.numel():
                     v_ids = tier.ids.gather(victims).squeeze(1)
                     v_rows, v_meta = tier.rows.gather(victims), tier.meta.gather(victims)
@@ -275,9 +273,7 @@ class TableStore:
             self._remove(ids_K, loc_K & 3, loc_K >> 2)
             return
         parts = [(t, *tier.used_slots()) for t, tier in enumerate(self.tiers)]
-        tier_N = torch.cat([torch.full_like(s, t) for t, s, _ in parts])
-        slot_N = torch.cat([s for _, s, _ in parts])
-        ids_N = torch.cat([i for _, _, i in parts])
+        tier_N, slot_N, ids_N = (torch.cat(x) for x in zip(*[(torch.full_like(s, t), s, i) for t, s, i in parts]))
         _, meta_N3 = self._read(tier_N, slot_N, with_rows=False)
         # Rows of the open step stay even past the cap: dropping one before its backward
         # would lose its gradient. The next step's lookups bring the table back under it.
@@ -305,11 +301,12 @@ class TableStore:
         if ttl is not None and now is not None and (self.last_sweep is None or now - self.last_sweep >= max(ttl // 4, 1)):
             self.expire(now)
 
-    def read_ahead(self, ids_N: torch.Tensor) -> int:
+    def read_ahead(self, ids_N: torch.Tensor, background: bool = True) -> int:
         """Start the disk reads of the SSD-tier pages (rows, ids, metadata) a lookup of these ids will
-        touch, all at once, without waiting (advice only: Tier.will_need); the page ranges advised."""
+        touch, all at once, without waiting (Tier.will_need; on its thread if `background`): the
+        SSD rows advised. A lookup advises its own ids too, at the cost of a syscall per cached page."""
         loc_N = self.index.candidates(ids_N) if self.native and self.tiers[2].num_used else None
-        return 0 if loc_N is None else self.tiers[2].will_need(loc_N[(loc_N & 3) == 2] >> 2)  # absent: -1
+        return 0 if loc_N is None else self.tiers[2].will_need(loc_N[(loc_N & 3) == 2] >> 2, background)  # absent: -1
 
     def _native_lookup(self, ids_N, counts_N, now, out: bool):
         """csrc/store.c's fused lookup: (U, committed, inv, uniq, cnt, loc); with `out`,
@@ -317,7 +314,7 @@ class TableStore:
         n = ids_N.numel()
         if n >= 1 << 31:  # the dedup table numbers unique ids in int32 (csrc/store.c)
             raise ValueError(f"genrec.sparse: one lookup takes fewer than 2^31 ids, got {n}; split the batch")
-        self.read_ahead(ids_N)  # the lookup confirms SSD ids against their id pages: all in flight first
+        self.read_ahead(ids_N, background=False)  # the lookup confirms SSD ids against their id pages
         inv_N, uniq_N, cnt_N, loc_N = (torch.empty(n, dtype=torch.int64) for _ in range(4))
         out_ND = torch.empty(n, self.dim) if out else None
         top = self._top_tier()

@@ -33,6 +33,7 @@ import errno
 import mmap
 import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -60,6 +61,27 @@ _WILLNEED_CHUNK = 128 << 10
 _MADV_DONTNEED = 4
 _MS_SYNC = 4
 _libc = None
+_adviser_pool: ThreadPoolExecutor | None = None
+
+
+def _adviser() -> ThreadPoolExecutor:
+    """The one thread that gives read-ahead advice in the background (Tier.will_need): with
+    many pages advised, madvise blocks once the disk's request queue is full (256 requests
+    here), and measured at `genrec bench sparse` full size that kept the training thread
+    waiting 10-12 ms a step; on this thread the step computes meanwhile. FIFO, so advice is
+    given in the order asked."""
+    global _adviser_pool
+    if _adviser_pool is None:
+        _adviser_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genrec-ssd-advice")
+    return _adviser_pool
+
+
+def _forget_adviser() -> None:  # a forked child has the object but not its thread
+    global _adviser_pool
+    _adviser_pool = None
+
+
+os.register_at_fork(after_in_child=_forget_adviser)
 
 
 def _c_library():
@@ -280,6 +302,7 @@ class Tier:
         self.ids = array("ids", 1, torch.int64, cpu, -1)
         self.meta = array("meta", NUM_META, torch.int64, cpu, 0)
         self.capacity = capacity
+        self._advice: Future | None = None  # the newest background read-ahead (will_need)
         self.layout = new_layout()  # changes whenever a slab is added or dropped (native.TierView)
         # Free slots: a stack popped from the end, in a buffer that grows by doubling, so
         # freeing k slots costs O(k), not a copy of every free slot.
@@ -290,13 +313,34 @@ class Tier:
         self.num_used = 0
 
     def drop_page_cache(self) -> None:
-        """See _SlabArray.drop_page_cache: rows, ids and metadata."""
+        """See _SlabArray.drop_page_cache: rows, ids and metadata (after the advice in flight)."""
+        self.wait_advice()
         for array in (self.rows, self.ids, self.meta):
             array.drop_page_cache()
 
-    def will_need(self, slots_N: torch.Tensor) -> int:
-        """See _SlabArray.will_need: the rows, ids and metadata of these slots."""
-        return sum(array.will_need(slots_N) for array in (self.ids, self.rows, self.meta))
+    def will_need(self, slots_N: torch.Tensor, background: bool = False) -> int:
+        """See _SlabArray.will_need: the rows, ids and metadata of these slots, here or, with
+        `background`, on the adviser thread (the call returns at once). The slots advised:
+        0 for a memory tier."""
+        arrays = [a for a in (self.ids, self.rows, self.meta) if a.path_prefix is not None and a.slabs]
+        if not arrays or not slots_N.numel():
+            return 0
+        if not background:
+            for array in arrays:
+                array.will_need(slots_N)
+            return int(slots_N.numel())
+        # The slab addresses as of now: a slab added later is not advised, and slabs are
+        # only unmapped by destroy(), which waits for this first.
+        jobs = [(a._addrs, a.slab_rows, a.width * a.dtype.itemsize) for a in arrays]
+        self._advice = _adviser().submit(
+            lambda: [native.slab_rows_will_need(addrs, per, nbytes, slots_N) for addrs, per, nbytes in jobs])
+        return int(slots_N.numel())
+
+    def wait_advice(self) -> None:
+        """Wait for the background read-ahead asked so far (will_need) to be given."""
+        if self._advice is not None:
+            self._advice.result()
+            self._advice = None
 
     def will_need_slabs(self, lo: int, hi: int, rows: bool = True) -> None:
         """See _SlabArray.will_need_slabs: ids and metadata, and rows unless `rows` is False."""
@@ -366,6 +410,7 @@ class Tier:
         return torch.cat(self.meta.slabs) if self.meta.slabs else torch.empty(0, NUM_META, dtype=torch.int64)
 
     def destroy(self) -> None:
+        self.wait_advice()
         for array in (self.rows, self.ids, self.meta):
             array.destroy()
         self.layout = new_layout()

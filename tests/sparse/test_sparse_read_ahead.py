@@ -105,7 +105,8 @@ def test_read_ahead_reads_the_disk_so_the_lookup_does_not(tmp_path):
     assert ssd_rows > 400
     store.tiers[2].drop_page_cache()
     before = _read_bytes()
-    assert tec.read_ahead([_kjt("item", ids.tolist())]) >= ssd_rows
+    assert tec.read_ahead([_kjt("item", ids.tolist())]) >= ssd_rows  # on the adviser thread
+    store.tiers[2].wait_advice()
     ahead = _settled_read_bytes(before)
     assert ahead >= ssd_rows * 4096, "read_ahead did not read the rows' pages from the disk"
     before = _read_bytes()
