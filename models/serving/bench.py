@@ -5,7 +5,9 @@ What it measures (all side by side in one run, since the machine is shared and n
 - p50 / p99 latency and QPS of POST /v1/rank against a real server in a second process on
   loopback (history 1,024 events, 1M-item corpus, K=500, N=50; quick: 50k items, 256 events,
   K=200). Latency is single stream (one request in flight); QPS uses several client threads so
-  the server's dynamic batching has something to batch.
+  the server's dynamic batching has something to batch. The headline keys serve the int8
+  artifact (what the README exports: its item index is scanned with FBGEMM's int8 GEMM);
+  fp32_p50_ms, fp32_p99_ms and fp32_qps the fp32 artifact of the same model.
 - M-FALCON (history encoded once, candidates scored in micro-batches against the KV cache) vs
   scoring each candidate by a full forward over history + candidate, in process.
 - int8 vs fp32 artifact: in-process latency of `rank`, bytes held, and the quality change:
@@ -290,8 +292,6 @@ def run(quick: bool) -> dict:
     from genrec.models.serving.artifact import export_artifact
     from genrec.models.serving.ranker import ServingConfig, load_artifact
 
-    import httpx
-
     num_items = 20_000 if quick else 1_000_000
     history = 128 if quick else 1024
     k, n = (100, 20) if quick else (500, 50)
@@ -319,46 +319,13 @@ def run(quick: bool) -> dict:
         requests = [synthetic_request(num_items, history, k=k, n=n, seed=i, item_features=item_features)
                     for i in range(4 if quick else 20)]
 
-        # ---- over HTTP, server in a second process
-        port = _free_port()
-        proc = start_server_process(arts["fp32"], port, threads=threads,
-                                    extra=["--max-k", str(k), "--max-history", str(history)])
-        try:
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30.0) as client:
-                for r in requests[:3]:  # warm-up
-                    client.post("/v1/rank", json=r).raise_for_status()
-                i = [0]
-
-                def one():
-                    client.post("/v1/rank", json=requests[i[0] % len(requests)]).raise_for_status()
-                    i[0] += 1
-                lat = _time_calls(one, 30 if quick else 200, 6 if quick else 90)
-            result.update(p50_ms=_percentile(lat, 50), p99_ms=_percentile(lat, 99), num_latency_requests=len(lat))
-            _log(f"single stream: p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms over {len(lat)} requests")
-            num_clients, per_client = 4, (3 if quick else 30)
-            errors = []
-
-            def client_loop(c):
-                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as cl:
-                    for j in range(per_client):
-                        r = cl.post("/v1/rank", json=requests[(c + j) % len(requests)])
-                        if r.status_code != 200:
-                            errors.append(r.status_code)
-            t0 = time.perf_counter()
-            ts = [threading.Thread(target=client_loop, args=(c,)) for c in range(num_clients)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
-            result["qps"] = num_clients * per_client / (time.perf_counter() - t0)
-            result["qps_clients"] = num_clients
-            result["qps_errors"] = len(errors)
-            _log(f"{num_clients} concurrent clients: {result['qps']:.1f} QPS")
-            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-            result["server_batch_size_mean"] = _mean_batch(metrics)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+        # ---- over HTTP, server in a second process: the int8 artifact (the one the README
+        # exports) gives the headline keys, the fp32 artifact the same keys prefixed "fp32_"
+        for d, prefix in (("int8", ""), ("fp32", "fp32_")):
+            result.update({prefix + key: v for key, v in _over_http(arts[d], requests, k, history, threads,
+                                                                    quick).items()})
+            _log(f"{d} artifact over HTTP: p50 {result[prefix + 'p50_ms']:.1f} ms, p99 {result[prefix + 'p99_ms']:.1f} "
+                 f"ms single stream, {result[prefix + 'qps']:.1f} QPS with {result['qps_clients']} clients")
 
         # ---- in process: M-FALCON vs recompute, int8 vs fp32
         rankers = {d: load_artifact(arts[d], scfg) for d in arts}
@@ -418,6 +385,7 @@ def run(quick: bool) -> dict:
         result["int8_vs_fp32_memory_ratio"] = result["int8_memory_bytes"] / result["fp32_memory_bytes"]
         quality = quantization_quality(rankers["fp32"], rankers["int8"], requests)
         result["fp32_stage_ms"] = _stage_times(r32, requests[0], k)
+        result["int8_stage_ms"] = _stage_times(rankers["int8"], requests[0], k)
         result.update({f"int8_{key}": v for key, v in quality.items()})
         _log(f"int8/fp32 latency {result['int8_vs_fp32_latency_ratio']:.2f}, memory "
              f"{result['int8_vs_fp32_memory_ratio']:.2f}, AUC change {quality['auc_change']:+.4f}")
@@ -433,6 +401,49 @@ def run(quick: bool) -> dict:
         and result["ann_retrieve_p99_ms"] < 30}
     result["wall_s"] = time.time() - t_start
     return result
+
+
+def _over_http(artifact: Path, requests: list[dict], k: int, history: int, threads: int, quick: bool) -> dict:
+    """Single-stream p50 / p99 and QPS of 4 concurrent clients against a server process of
+    this artifact on loopback, and the server's mean batch (its /metrics)."""
+    import httpx
+
+    port = _free_port()
+    proc = start_server_process(artifact, port, threads=threads, extra=["--max-k", str(k), "--max-history", str(history)])
+    out: dict = {}
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30.0) as client:
+            for r in requests[:3]:  # warm-up
+                client.post("/v1/rank", json=r).raise_for_status()
+            i = [0]
+
+            def one():
+                client.post("/v1/rank", json=requests[i[0] % len(requests)]).raise_for_status()
+                i[0] += 1
+            lat = _time_calls(one, 30 if quick else 200, 6 if quick else 90)
+        out.update(p50_ms=_percentile(lat, 50), p99_ms=_percentile(lat, 99), num_latency_requests=len(lat))
+        num_clients, per_client = 4, (3 if quick else 30)
+        errors = []
+
+        def client_loop(c):
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as cl:
+                for j in range(per_client):
+                    r = cl.post("/v1/rank", json=requests[(c + j) % len(requests)])
+                    if r.status_code != 200:
+                        errors.append(r.status_code)
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=client_loop, args=(c,)) for c in range(num_clients)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        out.update(qps=num_clients * per_client / (time.perf_counter() - t0), qps_clients=num_clients,
+                   qps_errors=len(errors))
+        out["server_batch_size_mean"] = _mean_batch(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return out
 
 
 def _stage_times(ranker, request: dict, k: int, repeats: int = 3) -> dict[str, float]:
