@@ -112,3 +112,38 @@ def test_read_ahead_reads_the_disk_so_the_lookup_does_not(tmp_path):
     before = _read_bytes()
     store.lookup_train(ids, torch.ones_like(ids), None)
     assert _read_bytes() - before <= ahead // 10, "the lookup still read from the disk"
+
+
+def _advise_in_child(path: str, conn) -> None:
+    from genrec.sparse.tiers import Tier
+
+    tier = Tier("ssd", 8, None, torch.device("cpu"), path_prefix=path, slab_rows=256)
+    slots = tier.alloc(300)
+    conn.send(tier.will_need(slots, background=True))
+    tier.wait_advice()
+    conn.send("done")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_background_advice_works_in_a_forked_child(tmp_path):
+    """The adviser thread does not survive a fork; a child that reads ahead gets its own
+    rather than queueing work for a thread it does not have (which would never run)."""
+    import multiprocessing as mp
+
+    from genrec.sparse.tiers import Tier
+
+    parent = Tier("ssd", 8, None, torch.device("cpu"), path_prefix=str(tmp_path / "parent"), slab_rows=256)
+    assert parent.will_need(parent.alloc(10), background=True) == 10  # the parent's adviser exists now
+    parent.wait_advice()
+    ctx = mp.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_advise_in_child, args=(str(tmp_path / "child"), there))
+    child.start()
+    try:
+        assert here.poll(30) and here.recv() == 300
+        assert here.poll(30) and here.recv() == "done", "the child's background advice never ran"
+        child.join(30)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
