@@ -53,6 +53,35 @@ def _skewed_batch(max_len: int, num_tokens: int, seed: int, mean_frac: float = 0
     return torch.randn(T, 64, generator=g), offsets, ts
 
 
+def _full_rows(length: int, rows: int, seed: int):
+    """`rows` rows of `length` events each (a long-history batch), as _skewed_batch."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.arange(rows + 1) * length
+    ts = torch.cumsum(torch.randint(0, 3600, (rows * length,), generator=g), 0)
+    return torch.randn(rows * length, 64, generator=g), offsets, ts
+
+
+SL_PROB, SL_MIN = 0.5, 16
+"""The stochastic-length setting the bench measures (data.loader.stochastic_length_prob, _min)."""
+
+
+def _stochastic_length(batch, prob: float, min_len: int, seed: int):
+    """The batch with each row longer than min_len cut, with probability prob, to a uniform
+    length in [min_len, its length], its most recent events kept: the loader's rule
+    (data/loader.py), restated here because the dense floor does not import the data floor."""
+    x, offsets, ts = batch
+    g = torch.Generator().manual_seed(seed)
+    keep = []
+    for s, e in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        n = e - s
+        if n > min_len and float(torch.rand(1, generator=g)) < prob:
+            n = int(torch.randint(min_len, n + 1, (1,), generator=g))
+        keep.append(torch.arange(e - n, e))
+    idx = torch.cat(keep)
+    lengths = torch.tensor([k.numel() for k in keep])
+    return x[idx], torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]), ts[idx]
+
+
 PRECISION = os.environ.get("GENREC_BENCH_PRECISION", "fp32")
 
 
@@ -158,6 +187,18 @@ def _run(quick: bool) -> dict:
                        "padded": _step_fn(_cfg("hstu", n, bucket_min_fill=1e-9), batch)}, reps)
     _ratio(out, "jagged_vs_padded", t["padded"], t["jagged"])
     _log(f"jagged vs padded {out['jagged_vs_padded']:.2f}x")
+
+    # Stochastic length (data.loader.stochastic_length_prob): HSTU on full 4,096-event rows,
+    # against the same rows cut as the loader cuts them.
+    n = 4096
+    full = _full_rows(n, 2 if quick else 8, seed=11)
+    cut = _stochastic_length(full, SL_PROB, SL_MIN, seed=12)
+    t = _side_by_side({"full": _step_fn(_cfg("hstu", n), full), "cut": _step_fn(_cfg("hstu", n), cut)}, reps)
+    _ratio(out, f"stochastic_length_speedup_{n}", t["full"], t["cut"])
+    out[f"stochastic_length_tokens_kept_{n}"] = cut[0].shape[0] / full[0].shape[0]
+    out["stochastic_length_prob"], out["stochastic_length_min"] = SL_PROB, SL_MIN
+    _log(f"stochastic length at {n}: {out[f'stochastic_length_speedup_{n}']:.2f}x, "
+         f"{out[f'stochastic_length_tokens_kept_{n}']:.2f} of the tokens kept")
 
     # Activation checkpointing: activation bytes saved for backward, with / without.
     n = 1024

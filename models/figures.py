@@ -67,6 +67,9 @@ TABLES: dict[str, tuple[tuple[str, ...], list[tuple[str, str, str | None]]]] = {
         ("`checkpointing_memory_ratio` (bytes saved for backward, 4 layers)", "checkpointing_memory_ratio", None),
         ("`kv_cache_speedup_1024` (encode once + 1,024 candidates vs re-encode per 256)",
          "kv_cache_speedup_1024", None),
+        ("`stochastic_length_speedup_4096` (rows of 4,096 events, cut with probability 0.5)",
+         "stochastic_length_speedup_4096", None),
+        ("share of the tokens stochastic length keeps", "stochastic_length_tokens_kept_4096", None),
     ]),
     "data": (("data-quick", "data"), [
         ("`prepare_events_per_s` (largest log)", "prepare_events_per_s", None),

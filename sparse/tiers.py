@@ -329,11 +329,11 @@ class Tier:
             for array in arrays:
                 array.will_need(slots_N)
             return int(slots_N.numel())
-        # The slab addresses as of now: a slab added later is not advised, and slabs are
-        # only unmapped by destroy(), which waits for this first.
-        jobs = [(a._addrs, a.slab_rows, a.width * a.dtype.itemsize) for a in arrays]
+        # The slabs as of now (a slab added later is not advised), held by the job so that
+        # none is unmapped under it.
+        jobs = [(a._addrs, list(a.slabs), a.slab_rows, a.width * a.dtype.itemsize) for a in arrays]
         self._advice = _adviser().submit(
-            lambda: [native.slab_rows_will_need(addrs, per, nbytes, slots_N) for addrs, per, nbytes in jobs])
+            lambda: [native.slab_rows_will_need(addrs, per, nbytes, slots_N) for addrs, _, per, nbytes in jobs])
         return int(slots_N.numel())
 
     def wait_advice(self) -> None:
