@@ -10,7 +10,8 @@ fault: the slabs are advised for random access (one page read per row, not reada
 Before a lookup touches its SSD rows, `will_need` asks the kernel for all their pages at
 once (madvise MADV_WILLNEED queues the reads and returns), so the disk works at its full
 queue depth where faults would come one per thread; the trainer does the same for the
-next batch before each step, overlapping the reads with compute (TableStore.read_ahead).
+next batch before each step, on a background thread, overlapping the reads with compute
+(TableStore.read_ahead).
 At `genrec bench sparse --quick` sizes, switching it off took offload_ratio_store_only
 from 0.12 to 0.022 and offload_ratio (with the tower) from 0.78 to 0.40;
 a preadv / io_uring engine would add O_DIRECT (a DRAM budget that excludes the page

@@ -409,7 +409,8 @@ def _over_http(artifact: Path, requests: list[dict], k: int, history: int, threa
     import httpx
 
     port = _free_port()
-    proc = start_server_process(artifact, port, threads=threads, extra=["--max-k", str(k), "--max-history", str(history)])
+    proc = start_server_process(artifact, port, threads=threads,
+                                extra=["--max-k", str(k), "--max-history", str(history)])
     out: dict = {}
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30.0) as client:
