@@ -46,19 +46,20 @@ def _skewed_batch(max_len: int, num_tokens: int, seed: int, mean_frac: float = 0
     lengths = [max_len]
     while sum(lengths) < num_tokens:
         lengths.append(int(torch.randint(1, max(2, int(2 * mean_frac * max_len)) + 1, (1,), generator=g)))
-    lengths_B = torch.tensor(lengths)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths_B.cumsum(0)])
-    T = int(offsets[-1])
-    ts = torch.cumsum(torch.randint(0, 3600, (T,), generator=g), 0)
-    return torch.randn(T, 64, generator=g), offsets, ts
+    return _rows_batch(lengths, g)
 
 
 def _full_rows(length: int, rows: int, seed: int):
-    """`rows` rows of `length` events each (a long-history batch), as _skewed_batch."""
-    g = torch.Generator().manual_seed(seed)
-    offsets = torch.arange(rows + 1) * length
-    ts = torch.cumsum(torch.randint(0, 3600, (rows * length,), generator=g), 0)
-    return torch.randn(rows * length, 64, generator=g), offsets, ts
+    """`rows` rows of `length` events each (a long-history batch)."""
+    return _rows_batch([length] * rows, torch.Generator().manual_seed(seed))
+
+
+def _rows_batch(lengths: list[int], g: torch.Generator):
+    """(tokens [T, 64], offsets [B + 1], increasing timestamps [T]) of rows of these lengths."""
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])
+    T = int(offsets[-1])
+    ts = torch.cumsum(torch.randint(0, 3600, (T,), generator=g), 0)
+    return torch.randn(T, 64, generator=g), offsets, ts
 
 
 SL_PROB, SL_MIN = 0.5, 16

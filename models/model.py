@@ -249,7 +249,7 @@ class GenerativeRecommender(nn.Module):
         """Start the disk reads of an upcoming batch's SSD-tier rows, its history's and
         candidates' (negatives are drawn in its step), without waiting: advice only, see
         TieredEmbeddingCollection.read_ahead (collective with several ranks). Returns the
-        page ranges this rank advised; 0 for a module that cannot read ahead."""
+        SSD rows this rank advised; 0 for a module that cannot read ahead."""
         read_ahead = getattr(self.embeddings, "read_ahead", None)
         if read_ahead is None:
             return 0

@@ -415,7 +415,7 @@ class TieredEmbeddingCollection(nn.Module):
         reads them while step t computes. Advice only: no row, counter or placement changes,
         so training is bit for bit the same with or without it. Collective with several ranks
         (the ids go to their owners first: every rank calls it with the same keys, or none
-        does). Returns the page ranges this rank advised."""
+        does). Returns the SSD rows this rank advised."""
         advised = 0
         with torch.no_grad():
             for kjt in kjts:

@@ -326,15 +326,14 @@ class Tier:
         arrays = [a for a in (self.ids, self.rows, self.meta) if a.path_prefix is not None and a.slabs]
         if not arrays or not slots_N.numel():
             return 0
-        if not background:
+        def advise():
             for array in arrays:
                 array.will_need(slots_N)
-            return int(slots_N.numel())
-        # The slabs as of now (a slab added later is not advised), held by the job so that
-        # none is unmapped under it.
-        jobs = [(a._addrs, list(a.slabs), a.slab_rows, a.width * a.dtype.itemsize) for a in arrays]
-        self._advice = _adviser().submit(
-            lambda: [native.slab_rows_will_need(addrs, per, nbytes, slots_N) for addrs, _, per, nbytes in jobs])
+
+        if background:  # the job holds the arrays, so no slab is unmapped under it (destroy waits)
+            self._advice = _adviser().submit(advise)
+        else:
+            advise()
         return int(slots_N.numel())
 
     def wait_advice(self) -> None:
