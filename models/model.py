@@ -258,13 +258,15 @@ class GenerativeRecommender(nn.Module):
             kjts.append(self._candidate_kjt(batch.candidates))
         return read_ahead(kjts)
 
-    def item_rows(self, item_ids: torch.Tensor) -> torch.Tensor:
-        """Embedding rows of `item_ids` from the item feature's table: [N, D]."""
-        kjt = KeyedJaggedTensor(
+    def _items_kjt(self, item_ids: torch.Tensor) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(
             keys=[self.features.item], values=item_ids,
             lengths=torch.ones(item_ids.shape[0], dtype=torch.int32, device=item_ids.device),
         )
-        return self.embeddings(kjt)[self.features.item].values()
+
+    def item_rows(self, item_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of `item_ids` from the item feature's table: [N, D]."""
+        return self.embeddings(self._items_kjt(item_ids))[self.features.item].values()
 
     def _history_states(self, batch: Batch, tokens_TD: torch.Tensor) -> torch.Tensor:
         with record_function("genrec.tower"):
@@ -275,13 +277,22 @@ class GenerativeRecommender(nn.Module):
         """History states [T, D] (causal), the task heads' input per candidate (`head_input`:
         [C, D] or [C, 2D]; None without candidates), and the history's item rows [T, D] (the
         retrieval head's positives)."""
+        return self._encode(batch)[:3]
+
+    def _encode(self, batch: Batch, extra_item_ids: torch.Tensor | None = None):
+        """`encode`, and the rows [N, D] of `extra_item_ids` (None without), looked up with the
+        batch's: one exchange of the sharded store instead of two (each is a few all-to-alls,
+        about a millisecond apiece between two CPU ranks)."""
         kjts = [batch.history] + ([] if batch.candidates is None else [self._candidate_kjt(batch.candidates)])
+        if extra_item_ids is not None:
+            kjts.append(self._items_kjt(extra_item_ids))
         embedded = self._lookup(kjts)
+        extra_ND = None if extra_item_ids is None else embedded[-1][self.features.item].values()
         tokens_TD = self._combine(embedded[0], self.features.sparse, "history")
         item_rows_TD = embedded[0][self.features.item].values()
         lengths_B = batch.history_lengths_B
         if batch.candidates is None:
-            return self._history_states(batch, tokens_TD), None, item_rows_TD
+            return self._history_states(batch, tokens_TD), None, item_rows_TD, extra_ND
         cand_TD = self._combine(embedded[1], self.candidate_features, "candidates")
         cand_lengths_B = batch.candidates.lengths().view(len(batch.candidates.keys()), -1)[0].long()
         values, offsets_B1, cand_pos = interleave_jagged(tokens_TD, lengths_B, cand_TD, cand_lengths_B)
@@ -293,13 +304,15 @@ class GenerativeRecommender(nn.Module):
                                 query_time_B=_request_time(batch, cand_lengths_B))
         hist_mask = torch.ones(states.shape[0], dtype=torch.bool, device=states.device)
         hist_mask[cand_pos] = False
-        return states[hist_mask], self.head_input(states[cand_pos], cand_TD), item_rows_TD
+        return states[hist_mask], self.head_input(states[cand_pos], cand_TD), item_rows_TD, extra_ND
 
     # ---- heads --------------------------------------------------------------------------
 
-    def retrieval_loss(self, batch: Batch, states_TD: torch.Tensor, item_rows_TD: torch.Tensor) -> torch.Tensor:
+    def retrieval_loss(self, batch: Batch, states_TD: torch.Tensor, item_rows_TD: torch.Tensor,
+                       corpus_rows_ND: torch.Tensor | None = None) -> torch.Tensor:
         """Softmax of each position's state against the next event's item row and the
-        negatives that `model.negatives` names (`model.similarity` / temperature)."""
+        negatives that `model.negatives` names (`model.similarity` / temperature).
+        `corpus_rows_ND`: the corpus's rows when already looked up ("full" negatives)."""
         cfg = self.cfg
         vec = lambda x: retrieval_vectors(x, cfg.similarity)  # noqa: E731
         if self.item_corpus.numel() == 0:
@@ -328,7 +341,10 @@ class GenerativeRecommender(nn.Module):
             neg_ids = self.item_corpus[torch.randint(len(self.item_corpus), (cfg.num_negatives,))].to(device)
         else:  # in-batch only: no lookup, on every rank alike
             neg_ids = item_ids_T.new_zeros(0)
-        neg_rows = self.item_rows(neg_ids) if neg_ids.numel() else states_TD.new_zeros(0, self.dim)
+        if corpus_rows_ND is not None and cfg.negatives == "full":
+            neg_rows = corpus_rows_ND
+        else:
+            neg_rows = self.item_rows(neg_ids) if neg_ids.numel() else states_TD.new_zeros(0, self.dim)
         if P == 0:
             return (neg_rows.sum() + states_TD.sum() + item_rows_TD.sum()) * 0.0
         query = vec(states_TD[src])
@@ -385,9 +401,16 @@ class GenerativeRecommender(nn.Module):
         use_candidates = self.cfg.ranking and batch.candidates is not None
         if self.cfg.contrastive_weight > 0 and self.training and not use_candidates:
             return self._forward_two_views(_without_candidates(batch))
-        states, cand_states, item_rows = self.encode(batch if use_candidates else _without_candidates(batch))
+        # "full" negatives are the whole corpus, known before the tower runs: their rows come
+        # with the batch's.
+        corpus = self.item_corpus if self.cfg.retrieval and self.cfg.negatives == "full" else None
+        if corpus is not None and corpus.numel() == 0:
+            corpus = None  # retrieval_loss names the missing corpus
+        states, cand_states, item_rows, corpus_rows = self._encode(
+            batch if use_candidates else _without_candidates(batch),
+            None if corpus is None else corpus.to(batch.history.values().device))
         with record_function("genrec.loss"):
-            return self._loss(batch, states, cand_states, item_rows, use_candidates)
+            return self._loss(batch, states, cand_states, item_rows, use_candidates, corpus_rows)
 
     def _forward_two_views(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """`forward` under `model.contrastive_weight`: the tokens are looked up once and the
@@ -413,12 +436,12 @@ class GenerativeRecommender(nn.Module):
         labels = torch.arange(T, device=sim.device)
         return 0.5 * (F.cross_entropy(sim, labels) + F.cross_entropy(sim.T, labels))
 
-    def _loss(self, batch: Batch, states, cand_states, item_rows, use_candidates: bool):
+    def _loss(self, batch: Batch, states, cand_states, item_rows, use_candidates: bool, corpus_rows=None):
         """The retrieval and ranking losses of one batch's states (see `forward`)."""
         loss = states.new_zeros((), dtype=torch.float32)
         parts: dict[str, float] = {}
         if self.cfg.retrieval:
-            r = self.retrieval_loss(batch, states, item_rows)
+            r = self.retrieval_loss(batch, states, item_rows, corpus_rows)
             loss = loss + self.cfg.retrieval_weight * r
             parts["retrieval_loss"] = float(r.detach())
         if use_candidates:
