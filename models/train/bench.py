@@ -1,18 +1,20 @@
 """`genrec bench train`: training throughput on 1 and 2 CPU ranks, MFU, step-time shares.
 
 One run, side by side: the same synthetic ad log and model (the demo's, smaller) trained
-for a fixed number of steps by one process and by two gloo ranks (`torchrun`-style env,
-same per-rank batch). MFU divides the dense tower's model FLOPs per second (6 x params x
-tokens for the projections, plus the attention's pairwise products) by a matmul peak
-measured in the same run on the same machine. Step-time shares come from timing the
-parts of a 1-rank step: the sparse store's forward + fused backward, the rest of the
-step (dense compute and optimizer), and for 2 ranks the extra time over 1 rank
-(communication and waiting). Every rank runs one thread (`train.num_threads = 1`), so 1 vs
-2 ranks compares ranks, not thread counts. 1 and 2 ranks take turns ROUNDS[quick] times;
-`scaling_2rank_vs_1rank` is the median round's (`_spread`: over the rounds), and the other
-figures are that round's. `per_step_ms_2rank` splits a 2-rank step (rank 0, a few steps
-under the profiler) into the spans of the store's all-to-alls, DDP's all-reduce (beside
-the backward) and the rest.
+for a fixed number of steps by one rank and by two gloo ranks (`torchrun`-style env, same
+per-rank batch). Every rank is a fresh process started the same way, with the settings
+`genrec` applies to its processes, and runs as many warm-up steps as it times. The same
+comparison runs on the ML-100K config (`ML100K`) over whole epochs. MFU divides the dense
+tower's model FLOPs per second (6 x params x tokens for the projections, plus the
+attention's pairwise products) by a matmul peak measured in the same run on the same
+machine. Step-time shares come from timing the parts of a 1-rank step: the sparse store's
+forward + fused backward, the rest of the step (dense compute and optimizer), and for 2
+ranks the extra time over 1 rank (communication and waiting). Every rank runs one thread
+(`train.num_threads = 1`), so 1 vs 2 ranks compares ranks, not thread counts. 1 and 2
+ranks take turns ROUNDS[quick] times; `scaling_2rank_vs_1rank` is the median round's
+(`_spread`: over the rounds), and the other figures are that round's. `per_step_ms_2rank`
+splits a 2-rank step (rank 0, a few steps under the profiler) into the spans of the
+store's all-to-alls, DDP's all-reduce (beside the backward) and the rest.
 """
 
 from __future__ import annotations
@@ -28,9 +30,17 @@ from pathlib import Path
 
 import torch
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "demo.toml"
 ROUNDS = {True: 2, False: 3}
 """Rounds of 1 rank then 2 ranks, by `quick` (each 2-rank round starts two processes)."""
+ML100K_CONFIG = REPO / "configs" / "ml100k.toml"
+ML100K = Path(os.environ.get("GENREC_ML100K_UDATA", REPO.parent / "shared" / "data" / "ml-100k" / "u.data"))
+"""MovieLens-100K's u.data, for the second scaling figure (its config's batch of 128 rows of
+up to 200 events against the whole corpus: about 12 times the demo step's tokens)."""
+ML100K_EPOCHS = {True: 2, False: 4}
+"""Whole epochs timed per run on ML-100K, by `quick`: its 943 users' histories run from 20
+to 200 events, so runs over different batches would compare different work."""
 
 
 def matmul_peak_gflops(n: int = 1024, repeats: int = 10) -> float:
@@ -42,11 +52,13 @@ def matmul_peak_gflops(n: int = 1024, repeats: int = 10) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e9
 
 
-def _overrides(data: Path, out: Path, steps: int) -> list[str]:
-    return [f'data.path="{data}"', f'train.out_dir="{out}"', f"train.max_steps={steps}",
-            "train.checkpoint_every=1000000", "train.tensorboard=false", "train.log_every=1000000",
-            "data.loader.batch_size=32", "data.loader.max_seq_len=64", "dense.max_seq_len=80",
-            "train.optim.warmup_steps=0", "train.num_threads=1"]
+def _overrides(data: Path, out: Path, steps: int, demo: bool = True) -> list[str]:
+    common = [f'data.path="{data}"', f'train.out_dir="{out}"', f"train.max_steps={steps}",
+              "train.checkpoint_every=1000000", "train.tensorboard=false", "train.log_every=1000000",
+              "train.optim.warmup_steps=0", "train.num_threads=1"]
+    if not demo:
+        return common
+    return common + ["data.loader.batch_size=32", "data.loader.max_seq_len=64", "dense.max_seq_len=80"]
 
 
 def _tower_flops(cfg, batch) -> float:
@@ -72,24 +84,33 @@ def _cycle(loader):
         yield from loader
 
 
-def _time_one_rank(cfg, steps: int) -> dict:
+def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int) -> dict:
+    """This process is one rank of a run (its env says which): `warmup` steps, then `steps`
+    timed; rank 0 also times the store's forward and counts tokens and FLOPs. With several
+    ranks, a few more steps under the profiler give the gloo collectives' spans (waiting for
+    the other rank included; DDP's all-reduce runs beside the backward)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from genrec.models.config import JobConfig
+    from genrec.models.config_loader import load_config
     from genrec.models.train.distributed import init_distributed
     from genrec.models.train.trainer import Trainer
 
+    cfg = load_config(JobConfig, cfg_path, overrides)
     trainer = Trainer(cfg, init_distributed())
-    store = trainer.store
-    sparse_s = [0.0]
-    forward = store.forward
+    store, sparse_s = trainer.store, [0.0]
+    lookup = store._lookup  # what forward and lookup_many both call
 
-    def timed_forward(*args, **kwargs):
+    def timed_lookup(*args, **kwargs):
         t0 = time.perf_counter()
-        out = forward(*args, **kwargs)
+        out = lookup(*args, **kwargs)
         sparse_s[0] += time.perf_counter() - t0
         return out
 
-    store.forward = timed_forward
+    store._lookup = timed_lookup
     batches = _cycle(trainer.loader)
-    trainer.train_step(next(batches))  # warm-up
+    for _ in range(warmup):
+        trainer.train_step(next(batches))
     sparse_s[0], flops, samples, tokens = 0.0, 0.0, 0, 0
     t0, cpu0 = time.perf_counter(), time.thread_time()
     for _ in range(steps):
@@ -98,62 +119,101 @@ def _time_one_rank(cfg, steps: int) -> dict:
         flops += _tower_flops(cfg, batch)
         samples += batch.batch_size
         tokens += batch.num_tokens
-    elapsed = time.perf_counter() - t0
-    return {"seconds": elapsed, "cpu_seconds": time.thread_time() - cpu0, "samples": samples, "tokens": tokens,
-            "flops": flops, "sparse_forward_s": sparse_s[0]}
+    out = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.thread_time() - cpu0, "samples": samples,
+           "tokens": tokens, "flops": flops, "sparse_forward_s": sparse_s[0]}
+    if trainer.dist.world_size > 1:
+        profiled = min(5, steps)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t1 = time.perf_counter()
+            for _ in range(profiled):
+                trainer.train_step(next(batches))
+            out["profiled_step_ms"] = 1e3 * (time.perf_counter() - t1) / profiled
+        spans = {"all_to_all": 0.0, "all_reduce": 0.0}
+        for e in prof.events():
+            if e.name.startswith("gloo:") and e.name[5:] in spans:
+                spans[e.name[5:]] += e.cpu_time_total / 1e3
+        out["alltoall_ms"], out["allreduce_ms"] = spans["all_to_all"] / profiled, spans["all_reduce"] / profiled
+    return out
 
 
-_TWO_RANKS = """
-import json, sys, time
-from genrec.models.config import JobConfig
-from genrec.models.config_loader import load_config
-from genrec.models.train.distributed import init_distributed
-from genrec.models.train.bench import _cycle
-from genrec.models.train.trainer import Trainer
-cfg = load_config(JobConfig, sys.argv[1], json.loads(sys.argv[2]))
-trainer = Trainer(cfg, init_distributed())
-batches = _cycle(trainer.loader)
-trainer.train_step(next(batches))
-t0, cpu0 = time.perf_counter(), time.thread_time(); samples = 0
-for _ in range(int(sys.argv[3])):
-    batch = next(batches); trainer.train_step(batch); samples += batch.batch_size
-seconds, cpu_seconds = time.perf_counter() - t0, time.thread_time() - cpu0
-# A few more steps under the profiler: the gloo collectives' spans (waiting for the other
-# rank included; DDP's all-reduce runs beside the backward).
-from torch.profiler import ProfilerActivity, profile
-profiled = min(5, int(sys.argv[3]))
-with profile(activities=[ProfilerActivity.CPU]) as prof:
-    t1 = time.perf_counter()
-    for _ in range(profiled):
-        trainer.train_step(next(batches))
-    profiled_s = time.perf_counter() - t1
-spans = {"all_to_all": 0.0, "all_reduce": 0.0}
-for e in prof.events():
-    if e.name.startswith("gloo:") and e.name[5:] in spans:
-        spans[e.name[5:]] += e.cpu_time_total / 1e3
-if trainer.dist.rank == 0:
-    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "samples_rank0": samples,
-                      "profiled_step_ms": 1e3 * profiled_s / profiled,
-                      "alltoall_ms": spans["all_to_all"] / profiled, "allreduce_ms": spans["all_reduce"] / profiled}))
+_RANK = """
+import json, sys
+# What `genrec` applies to every process it starts.
+from genrec.models.process import keep_large_allocations, passive_openmp_waits
+passive_openmp_waits(); keep_large_allocations()
+from genrec.models.train.bench import _time_ranks
+out = _time_ranks(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+if int(__import__("os").environ["RANK"]) == 0:
+    print(json.dumps(out))
 """
 
 
-def _time_two_ranks(cfg_path: Path, overrides: list[str], steps: int) -> dict:
+def _run_ranks(world: int, cfg_path: Path, overrides: list[str], steps: int, warmup: int) -> dict:
+    """`world` ranks, each a fresh process on this machine, one thread each: rank 0's timings.
+    1 rank runs the same way as 2, so neither inherits this process's warm heap or threads."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen(
-            [sys.executable, "-c", _TWO_RANKS, str(cfg_path), json.dumps(overrides), str(steps)],
+            [sys.executable, "-c", _RANK, str(cfg_path), json.dumps(overrides), str(steps), str(warmup)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))
     outs = [p.communicate(timeout=900) for p in procs]
     if any(p.returncode for p in procs):
-        raise RuntimeError(f"2-rank bench failed (exit codes {[p.returncode for p in procs]}):\n{outs[0][1][-3000:]}")
+        raise RuntimeError(f"{world}-rank bench failed (exit codes {[p.returncode for p in procs]}):\n"
+                           f"{outs[0][1][-3000:]}")
     return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def _take_turns(cfg_path: Path, data: Path, out: Path, steps: tuple[int, int], rounds: int, demo: bool = True):
+    """1 rank then 2 ranks (`_run_ranks`), `rounds` times, `steps` (1 rank, 2 ranks) steps
+    each after as many warm-up steps: (ones, twos, scaling per round)."""
+    ones, twos = [], []
+    for r in range(rounds):
+        print(f"bench train: {cfg_path.name}, round {r + 1} of {rounds}: 1 rank ({steps[0]} steps), "
+              f"then 2 ranks ({steps[1]} steps)", file=sys.stderr)
+        ones.append(_run_ranks(1, cfg_path, _overrides(data, out / f"run1-{r}", steps[0], demo), steps[0], steps[0]))
+        twos.append(_run_ranks(2, cfg_path, _overrides(data, out / f"run2-{r}", steps[1], demo), steps[1], steps[1]))
+    scaling = [(2 * two["samples"] / two["seconds"]) / (one["samples"] / one["seconds"])
+               for one, two in zip(ones, twos)]
+    return ones, twos, scaling
+
+
+def _ml100k(tmp: Path, quick: bool) -> dict:
+    """The scaling figure on the ML-100K config (`ML100K`; {} where the file is absent)."""
+    from genrec.data.convert import convert
+    from genrec.data.prepare import prepare
+    from genrec.models.config import JobConfig
+    from genrec.models.config_loader import load_config
+    from genrec.models.train.trainer import steps_per_epoch
+
+    if not ML100K.is_file():
+        print(f"bench train: {ML100K} not found (GENREC_ML100K_UDATA): no ML-100K scaling figure", file=sys.stderr)
+        return {}
+    cfg = load_config(JobConfig, ML100K_CONFIG, [])
+    convert("movielens", [ML100K], tmp / "ml100k-logs", progress=False)
+    prepare(tmp / "ml100k-logs", tmp / "ml100k", cfg.data.features, cfg.data.prepare.split, progress=False)
+    cfg.data.path = str(tmp / "ml100k")
+    epochs = ML100K_EPOCHS[quick]
+    steps = (epochs * steps_per_epoch(cfg, 1), epochs * steps_per_epoch(cfg, 2))
+    ones, twos, scaling = _take_turns(ML100K_CONFIG, tmp / "ml100k", tmp / "ml100k-runs", steps, ROUNDS[quick],
+                                      demo=False)
+    mid = sorted(range(len(scaling)), key=lambda r: scaling[r])[(len(scaling) - 1) // 2]
+    one, two = ones[mid], twos[mid]
+    return {
+        "scaling_2rank_vs_1rank_ml100k": scaling[mid],
+        "scaling_2rank_vs_1rank_ml100k_spread": {"median": scaling[mid], "min": min(scaling), "max": max(scaling),
+                                                 "n": len(scaling)},
+        "samples_per_s_1rank_ml100k": one["samples"] / one["seconds"],
+        "samples_per_s_2rank_ml100k": 2 * two["samples"] / two["seconds"],
+        "per_step_ms_ml100k": {"1rank": 1e3 * one["seconds"] / steps[0], "2rank": 1e3 * two["seconds"] / steps[1]},
+        "epochs_timed_ml100k": epochs,
+    }
 
 
 def run(quick: bool = False) -> dict:
@@ -176,14 +236,9 @@ def run(quick: bool = False) -> dict:
         peak = matmul_peak_gflops()
         # 1 and 2 ranks take turns, ROUNDS[quick] times: on a shared 2-core machine one pair of runs
         # was measured anywhere between 0.96x and 1.5x.
-        ones, twos, rounds = [], [], ROUNDS[quick]
-        for r in range(rounds):
-            print(f"bench train: round {r + 1} of {rounds}: 1 rank, then 2 ranks, {steps} steps", file=sys.stderr)
-            ones.append(_time_one_rank(load_config(JobConfig, CONFIG, _overrides(tmp / "data", tmp / f"run1-{r}", steps)),
-                                       steps))
-            twos.append(_time_two_ranks(CONFIG, _overrides(tmp / "data", tmp / f"run2-{r}", steps), steps))
-    scaling = [(2 * two["samples_rank0"] / two["seconds"]) / (one["samples"] / one["seconds"])
-               for one, two in zip(ones, twos)]
+        rounds = ROUNDS[quick]
+        ones, twos, scaling = _take_turns(CONFIG, tmp / "data", tmp, (steps, steps), rounds)
+        ml100k = _ml100k(tmp, quick)
     # The round with the median scaling gives the other figures, so they describe one pair.
     mid = sorted(range(rounds), key=lambda r: scaling[r])[(rounds - 1) // 2]  # the lower one of two
     one, two = ones[mid], twos[mid]
@@ -195,7 +250,7 @@ def run(quick: bool = False) -> dict:
     comm_share = max(per_step_2 - per_step_1, 0.0) / per_step_2
     return {
         "samples_per_s_1rank": one["samples"] / one["seconds"],
-        "samples_per_s_2rank": 2 * two["samples_rank0"] / two["seconds"],
+        "samples_per_s_2rank": 2 * two["samples"] / two["seconds"],
         "scaling_2rank_vs_1rank": scaling[mid],
         "scaling_2rank_vs_1rank_spread": {"median": scaling[mid], "min": min(scaling), "max": max(scaling),
                                           "n": rounds},
@@ -222,4 +277,5 @@ def run(quick: bool = False) -> dict:
                               "alltoall": 0.0, "allreduce": 0.0, "compute": 1e3 * per_step_1},
         "steps": steps,
         "threads_per_rank": 1,
+        **ml100k,
     }

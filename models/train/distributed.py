@@ -43,6 +43,31 @@ def init_distributed() -> DistInfo:
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
+def local_cores(local_rank: int, local_world_size: int) -> list[int] | None:
+    """The cores local rank `local_rank` of `local_world_size` gets: an equal, contiguous
+    share of the cores this process may use. None where there are fewer cores than ranks
+    or no affinity API (not Linux)."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return None
+    if local_world_size < 2 or len(cores) < local_world_size:
+        return None
+    share = len(cores) // local_world_size
+    return cores[local_rank * share : (local_rank + 1) * share]
+
+
+def bind_to_cores(cores: list[int]) -> None:
+    """Bind every thread of this process to `cores`; threads started later inherit it.
+    `os.sched_setaffinity(0, ...)` binds only the calling thread on Linux, and the
+    collectives' threads already run by now, so each thread of /proc/self/task is bound."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that has just exited
+
+
 def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

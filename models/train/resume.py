@@ -38,7 +38,7 @@ from genrec.models.runs import BEST_FILE, CHECKPOINTS, CONFIG_FILE, RUN_FORMAT, 
 APPLIED = (
     "train.max_steps", "train.num_epochs", "train.eval_every", "train.eval_every_epochs", "train.eval_max_users",
     "train.early_stop_patience", "train.log_every", "train.tensorboard", "train.checkpoint_every",
-    "train.keep_checkpoints", "train.num_threads", "train.pipeline", "train.deterministic", "train.precision",
+    "train.keep_checkpoints", "train.num_threads", "train.cpu_affinity", "train.pipeline", "train.deterministic", "train.precision",
     "train.dense_parallel",
     "train.optim.*",
     "dense.dropout", "dense.input_dropout", "dense.kernel", "dense.attention_block_elems", "dense.bucket_min_fill",

@@ -49,7 +49,7 @@ from genrec.models.train.resume import (
 )
 from genrec.models.config import JobConfig
 from genrec.models.ranks import DistInfo, all_reduce_sum, any_rank
-from genrec.models.train.distributed import init_distributed, shutdown
+from genrec.models.train.distributed import bind_to_cores, init_distributed, local_cores, shutdown
 from genrec.models.train.progress import ProgressLogger
 from genrec.models.train.schedule import build_dense_optimizer, warmup_cosine
 from genrec.models.evaluation.validation import (
@@ -130,6 +130,7 @@ class Trainer:
             tc.optim = dataclasses.replace(tc.optim, warmup_steps=tc.max_steps)
         self.out_dir = Path(tc.out_dir)
         self._claim_run_dir(fresh=fresh)
+        self._bind_cores()
         self.num_threads = tc.num_threads or default_threads()
         torch.set_num_threads(self.num_threads)
         # The same seed on every rank: replicas start equal and draw the same negatives, so
@@ -193,6 +194,20 @@ class Trainer:
         # Collective: no rank looks into the folder before rank 0 has cleared it, and all stop together.
         if any_rank(problem is not None):
             raise problem or ValueError(f"{self.out_dir}: rank 0 refused this run directory")
+
+    def _bind_cores(self) -> None:
+        """`train.cpu_affinity`: each local rank on its own cores (CPU training only)."""
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if self.cfg.train.cpu_affinity != "auto" or self.dist.device.type != "cpu":
+            return
+        cores = local_cores(self.dist.local_rank, local_world)
+        if cores is None:
+            return
+        bind_to_cores(cores)
+        if self.dist.is_main:
+            print(f"genrec train: each of the {local_world} ranks on this node bound to {len(cores)} core(s) "
+                  f"(rank {self.dist.local_rank}: {cores}; train.cpu_affinity = \"off\" leaves it to the OS)",
+                  file=sys.stderr, flush=True)
 
     # ---- the loop -----------------------------------------------------------------------
 
