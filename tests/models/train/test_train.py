@@ -194,18 +194,28 @@ def _train_on(rank: int, world_size: int, port: int, cfg_json: str, result_path:
 
     cfg = from_dict(JobConfig, json.loads(cfg_json))
     trainer = Trainer(cfg, init_distributed())
+    exchanges = []  # the store's all-to-alls per step
+    real = torch.distributed.all_to_all_single
+
+    def counted(*args, **kwargs):
+        exchanges[-1] += 1
+        return real(*args, **kwargs)
+
+    torch.distributed.all_to_all_single = counted
     losses = []
     for batch in _equal_length_batches(cfg, 3):
         if world_size > 1:
             half = batch.batch_size // world_size
             batch = _take_rows(batch, slice(rank * half, (rank + 1) * half))
+        exchanges.append(0)
         losses.append(trainer.train_step(batch)["loss"])
+    torch.distributed.all_to_all_single = real
     model = unwrap(trainer.model)
     model.eval()
     with torch.no_grad():
         rows = model.item_rows(model.item_corpus[:50])
     params = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("embeddings.")}
-    torch.save({"losses": losses, "rows": rows, "params": params}, f"{result_path}.{rank}")
+    torch.save({"losses": losses, "rows": rows, "params": params, "exchanges": exchanges}, f"{result_path}.{rank}")
     shutdown()
 
 
@@ -246,14 +256,21 @@ def _spawn(fn, world_size: int, *args) -> None:
     mp.start_processes(fn, args=(world_size, _free_port(), *args), nprocs=world_size, join=True, start_method="spawn")
 
 
-def test_two_ranks_equal_one_rank_on_the_same_global_batch(prepared, tmp_path):
+@pytest.mark.parametrize("negatives", ["shared", "full"])
+def test_two_ranks_equal_one_rank_on_the_same_global_batch(prepared, tmp_path, negatives):
     cfg = tiny_config(prepared, tmp_path / "one")
+    cfg.model.negatives = negatives
     result = str(tmp_path / "result")
     _spawn(_train_on, 1, json.dumps(to_dict(cfg)), result + "1")
     cfg2 = tiny_config(prepared, tmp_path / "two")
+    cfg2.model.negatives = negatives
     _spawn(_train_on, 2, json.dumps(to_dict(cfg2)), result + "2")
     one = torch.load(result + "1.0")
     r0, r1 = torch.load(result + "2.0"), torch.load(result + "2.1")
+    # One exchange per step for the batch's rows (3 all-to-alls forward, 1 backward), the
+    # corpus of "full" negatives included; "shared" draws its negatives after the tower runs
+    # and looks them up in a second exchange.
+    assert r0["exchanges"] == r1["exchanges"] == [4 if negatives == "full" else 8] * 3
     two_losses = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
     assert two_losses == pytest.approx(one["losses"], rel=1e-5, abs=1e-6)
     # Dense replicas stay identical across ranks and equal to the single-rank run.
