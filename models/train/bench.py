@@ -137,13 +137,13 @@ def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int) -
 
 
 _RANK = """
-import json, sys
+import json, os, sys
 # What `genrec` applies to every process it starts.
 from genrec.models.process import keep_large_allocations, passive_openmp_waits
 passive_openmp_waits(); keep_large_allocations()
 from genrec.models.train.bench import _time_ranks
 out = _time_ranks(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
-if int(__import__("os").environ["RANK"]) == 0:
+if os.environ["RANK"] == "0":
     print(json.dumps(out))
 """
 
