@@ -61,10 +61,11 @@ def _overrides(data: Path, out: Path, steps: int, demo: bool = True) -> list[str
     return common + (demo_sizes if demo else [])
 
 
-def _tower_flops(cfg, batch) -> float:
-    """Forward+backward FLOPs of the tower on one batch (3x the forward)."""
+def _tower_flops(cfg, batch, matmul_params: int) -> float:
+    """Forward+backward FLOPs of the tower on one batch (3x the forward); `matmul_params`:
+    `_tower_matmul_params(cfg)`."""
     d = cfg.dense
-    per_token = 2 * sum(p.numel() for p in _tower_params(cfg))
+    per_token = 2 * matmul_params
     lengths = batch.history_lengths_B.double()
     if batch.candidates is not None:
         lengths = lengths + batch.candidates.lengths()[: batch.batch_size].double()
@@ -73,10 +74,11 @@ def _tower_flops(cfg, batch) -> float:
     return 3 * (per_token * float(lengths.sum()) + attention)
 
 
-def _tower_params(cfg):
+def _tower_matmul_params(cfg) -> int:
+    """Weights of the tower's matmuls (its 2-D parameters), from a tower built once."""
     from genrec.dense import build_tower
 
-    return [p for n, p in build_tower(cfg.dense).named_parameters() if p.ndim == 2]
+    return sum(p.numel() for p in build_tower(cfg.dense).parameters() if p.ndim == 2)
 
 
 def _cycle(loader):
@@ -86,7 +88,8 @@ def _cycle(loader):
 
 def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int) -> dict:
     """This process is one rank of a run (its env says which): `warmup` steps, then `steps`
-    timed; rank 0 also times the store's forward and counts tokens and FLOPs. With several
+    timed, also timing the store's lookups and counting tokens and FLOPs (rank 0's go in
+    the results). With several
     ranks, a few more steps under the profiler give the gloo collectives' spans (waiting for
     the other rank included; DDP's all-reduce runs beside the backward)."""
     from torch.profiler import ProfilerActivity, profile
@@ -111,12 +114,14 @@ def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int) -
     batches = _cycle(trainer.loader)
     for _ in range(warmup):
         trainer.train_step(next(batches))
+    # Built once, outside the timed steps: a tower per step added about 1 ms to each.
+    matmul_params = _tower_matmul_params(cfg)
     sparse_s[0], flops, samples, tokens = 0.0, 0.0, 0, 0
     t0, cpu0 = time.perf_counter(), time.thread_time()
     for _ in range(steps):
         batch = next(batches)
         trainer.train_step(batch)
-        flops += _tower_flops(cfg, batch)
+        flops += _tower_flops(cfg, batch, matmul_params)
         samples += batch.batch_size
         tokens += batch.num_tokens
     out = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.thread_time() - cpu0, "samples": samples,

@@ -112,10 +112,11 @@ def _trainer(cfg: JobConfig, steps: int, out: Path):
 def profile_training(cfg: JobConfig, steps: int, out: str | Path, overwrite: bool = False) -> dict:
     """Profile `steps` training steps (after one warm-up step) and one checkpoint; returns
     the summary written to OUT/summary.json."""
-    from genrec.models.train.bench import _tower_flops, matmul_peak_gflops
+    from genrec.models.train.bench import _tower_flops, _tower_matmul_params, matmul_peak_gflops
 
     out, record = _start(out, steps, overwrite)
     cfg, trainer, batches = _trainer(cfg, steps, out)
+    matmul_params = _tower_matmul_params(cfg)  # once, not inside the profiled steps
     flops, loader_state = 0.0, None
 
     def step(i: int) -> None:
@@ -126,7 +127,7 @@ def profile_training(cfg: JobConfig, steps: int, out: str | Path, overwrite: boo
         trainer.train_step(batch)
         trainer.step += 1
         if i:
-            flops += _tower_flops(cfg, batch)
+            flops += _tower_flops(cfg, batch, matmul_params)
 
     prof, step_seconds = _profiled(out, steps, step)
     with record_function("genrec.checkpoint"):
