@@ -130,7 +130,7 @@ class TrainConfig:
     compute, loader, collectives) to its own share of the cores this process may use, as
     `torch.backends.xeon.run_cpu` does per instance. Unbound, a rank's communication
     threads preempt the other rank's compute; bound, the 2-rank step of the demo model took
-    57 ms where it took 63. "off": leave placement to the OS (nodes shared with other jobs)."""
+    57 ms where it took 63 (one A/B on 2 cores). "off": leave placement to the OS (nodes shared with other jobs)."""
     num_threads: int = 0
     """torch intra-op threads per rank; 0: the cores this process may use divided by the
     ranks on this node (never more threads than cores: oversubscribed, spin-waiting OpenMP
