@@ -1,7 +1,8 @@
 """Builds the native kernels at install time (`pip install -e .` or `pip install .`).
 
 dense/csrc/hstu_tile.c (C + OpenMP) and sparse/csrc/store.c (C) have no Python or torch
-headers; each is built as a shared library beside its package and loaded through ctypes. The instruction set is
+headers; each is built as a shared library beside its package and loaded through ctypes
+(the HSTU kernels twice on x86: for AVX2 and for AVX-512). The instruction set is
 chosen here, not with -march=native, so a library built on one machine runs on any CPU of
 the same family that has those features: genrec.dense.fused checks them when it loads.
 Everything else about the project is in pyproject.toml.
@@ -12,7 +13,11 @@ import platform
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-ISA = {"x86_64": ["-mavx2", "-mfma"], "AMD64": ["-mavx2", "-mfma"]}.get(platform.machine(), [])
+X86 = platform.machine() in ("x86_64", "AMD64")
+ISA = ["-mavx2", "-mfma"] if X86 else []
+# The HSTU kernels are also built for AVX-512 (16 floats a vector against 8);
+# genrec.dense.fused loads that build on CPUs that have its features, the AVX2 one elsewhere.
+AVX512 = [*ISA, "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mprefer-vector-width=512"]
 
 
 class BuildNative(build_ext):
@@ -29,13 +34,17 @@ class BuildNative(build_ext):
         return []  # a ctypes library, not a Python module: there is no PyInit_ symbol
 
 
+def hstu_tile(name: str, source: str, isa: list[str]) -> Extension:
+    # -ffast-math only at compile time: linked into a shared library it would also set
+    # flush-to-zero for the whole process.
+    return Extension(f"genrec.dense.{name}", sources=[f"dense/csrc/{source}"],
+                     extra_compile_args=["-O3", "-ffast-math", "-fopenmp", *isa],
+                     extra_link_args=["-fopenmp", "-lm"])
+
+
 setup(
-    ext_modules=[Extension(
-        "genrec.dense._hstu_tile", sources=["dense/csrc/hstu_tile.c"],
-        # -ffast-math only at compile time: linked into a shared library it would also set
-        # flush-to-zero for the whole process.
-        extra_compile_args=["-O3", "-ffast-math", "-fopenmp", *ISA], extra_link_args=["-fopenmp", "-lm"],
-    ), Extension(
+    ext_modules=[hstu_tile("_hstu_tile", "hstu_tile.c", ISA),
+                 *([hstu_tile("_hstu_tile_avx512", "hstu_tile_avx512.c", AVX512)] if X86 else []), Extension(
         "genrec.sparse._store_kernels", sources=["sparse/csrc/store.c"],
         # The store's kernels reproduce the PyTorch reference bit for bit: no fast-math, and
         # no fused multiply-add contraction (each product and sum rounds on its own).

@@ -2,10 +2,12 @@
 fused elementwise part of the chunked (bf16) HSTU tile.
 
 The library is built by the install command (setup.py: `pip install -e .`) beside this
-file as `_hstu_tile*.so`, for the instruction set named in `ISA_FLAGS`; loading checks that
-this CPU has it. Not built, or built for features this CPU lacks: the first fused call
-raises an error saying how to fix it. GENREC_DENSE_FUSED=0 chooses the plain PyTorch tile
-explicitly (same results, about a third of the speed), and says so once.
+file, once per instruction set in `BUILDS` (on x86: `_hstu_tile_avx512*.so` and
+`_hstu_tile*.so`, AVX2); loading takes the first whose CPU features this CPU has.
+GENREC_DENSE_ISA=avx2 chooses the AVX2 build on an AVX-512 CPU (to compare them). Not
+built, or built for features this CPU lacks: the first fused call raises an error saying
+how to fix it. GENREC_DENSE_FUSED=0 chooses the plain PyTorch tile explicitly (same
+results, about a third of the speed), and says so once.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ class TileArgs(ctypes.Structure):
         ("nthreads", ctypes.c_int64), ("qts", ctypes.c_void_p), ("len", ctypes.c_void_p)]
 
 
-ISA_FLAGS = {"x86_64": ("avx2", "fma")}
-"""CPU features the library is built for, by machine (see setup.py)."""
+BUILDS = {"x86_64": (("avx512", "_hstu_tile_avx512", ("avx2", "fma", "avx512f", "avx512vl", "avx512bw", "avx512dq")),
+                    ("avx2", "_hstu_tile", ("avx2", "fma")))}
+"""By machine, best first: (name, library stem, CPU features it is built for; see setup.py).
+Other machines have one portable build, `_hstu_tile`."""
 
 
 class NativeKernelError(RuntimeError):
@@ -61,18 +65,36 @@ def library() -> ctypes.CDLL | None:
               file=sys.stderr, flush=True)
         _lib = None
         return None
-    built = sorted(Path(__file__).parent.glob("_hstu_tile*.so"))
+    here = Path(__file__).parent
     fix = ("reinstall with the README's install command (`pip install -e .`, which needs a C compiler with "
            "OpenMP), or set GENREC_DENSE_FUSED=0 to run the PyTorch tile instead")
-    if not built:
-        raise NativeKernelError(f"the native HSTU tile is not built (no _hstu_tile*.so in {Path(__file__).parent}): {fix}")
-    missing = [f for f in ISA_FLAGS.get(platform.machine(), ()) if f not in _cpu_flags()]
-    if missing:
-        raise NativeKernelError(f"{built[-1]} needs CPU features {missing}, which this CPU lacks: {fix}")
+    builds = BUILDS.get(platform.machine(), (("portable", "_hstu_tile", ()),))
+    chosen = os.environ.get("GENREC_DENSE_ISA")
+    if chosen is not None:
+        if chosen not in [name for name, _, _ in builds]:
+            raise NativeKernelError(f"GENREC_DENSE_ISA={chosen!r}: this machine's builds are "
+                                    f"{[name for name, _, _ in builds]}")
+        builds = tuple(b for b in builds if b[0] == chosen)
+    flags, found = _cpu_flags(), []
+    for name, stem, features in builds:
+        path = next(iter(sorted(here.glob(f"{stem}.*so"))), None)
+        if path is None:
+            continue
+        found.append(path)
+        missing = [f for f in features if f not in flags]
+        if not missing:
+            break
+    else:
+        if not found:
+            raise NativeKernelError(f"the native HSTU tile is not built (no {builds[-1][1]}*.so in {here}): {fix}")
+        raise NativeKernelError(f"{found[-1]} needs CPU features {missing}, which this CPU lacks: {fix}")
     try:
-        lib = ctypes.CDLL(str(built[-1]))
+        lib = ctypes.CDLL(str(path))
     except OSError as e:
-        raise NativeKernelError(f"cannot load {built[-1]}: {e}: {fix}") from None
+        raise NativeKernelError(f"cannot load {path}: {e}: {fix}") from None
+    lib.isa = name
+    lib.hstu_key_block.restype = ctypes.c_int64
+    lib.key_block = int(lib.hstu_key_block())
     lib.hstu_time_index.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p]
     lib.hstu_tile_fwd.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_int]
@@ -134,11 +156,13 @@ def tile_forward(args: TileArgs, s: torch.Tensor, a: torch.Tensor) -> None:
 
 
 def key_blocks(k: torch.Tensor) -> torch.Tensor:
-    """[G, H, K, d] -> [G, H, K8 / 8, d, 8] (K8: K rounded up to 8, zero padded): 8 keys'
-    scores are then one vector instruction per feature over contiguous memory."""
+    """[G, H, K, d] -> [G, H, KP / W, d, W] (W: the library's vector width, 8 or 16 floats;
+    KP: K rounded up to W, zero padded): W keys' scores are then one vector instruction per
+    feature over contiguous memory."""
     G, H, K, d = k.shape
-    k8 = (K + 7) // 8 * 8
-    return F.pad(k, (0, 0, 0, k8 - K)).view(G, H, k8 // 8, 8, d).transpose(-1, -2).contiguous()
+    w = library().key_block
+    kp = (K + w - 1) // w * w
+    return F.pad(k, (0, 0, 0, kp - K)).view(G, H, kp // w, w, d).transpose(-1, -2).contiguous()
 
 
 def attention_forward(args: TileArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -21,12 +21,76 @@
 #include <immintrin.h>
 #endif
 
+/* One vector of VW floats: 16 with AVX-512 (the library built with GENREC_AVX512, chosen at
+ * load time on CPUs that have it), 8 with AVX2 + FMA. Keys are laid out in blocks of KB = VW
+ * (fused.key_blocks asks hstu_key_block() for it), so KB scores are one vector of fused
+ * multiply-adds over contiguous memory. VMASK(n) enables the first n < VW lanes of a tail. */
+#if defined(__AVX512F__)
+#define VEC 1
+#define VW 16
+typedef __m512 vf;
+typedef __mmask16 vmask;
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, x) _mm512_storeu_ps((p), (x))
+#define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define VSET1(x) _mm512_set1_ps(x)
+#define VADD(a, b) _mm512_add_ps((a), (b))
+#define VZERO() _mm512_setzero_ps()
+#define VMASK(n) ((__mmask16)((1u << (n)) - 1u))
+#define VLOADM(p, m) _mm512_maskz_loadu_ps((m), (p))
+#define VSTOREM(p, m, x) _mm512_mask_storeu_ps((p), (m), (x))
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VEC 1
+#define VW 8
+typedef __m256 vf;
+typedef __m256i vmask;
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, x) _mm256_storeu_ps((p), (x))
+#define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define VSET1(x) _mm256_set1_ps(x)
+#define VADD(a, b) _mm256_add_ps((a), (b))
+#define VZERO() _mm256_setzero_ps()
+#define VMASK(n) _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
+#define VLOADM(p, m) _mm256_maskload_ps((p), (m))
+#define VSTOREM(p, m, x) _mm256_maskstore_ps((p), (m), (x))
+#else
+#define VEC 0
+#define VW 8
+#endif
+#define KB VW
+
+/* The key block width this library was built for (fused.key_blocks). */
+int64_t hstu_key_block(void) { return KB; }
+
 static inline float bf2f(uint16_t h) { uint32_t u = ((uint32_t)h) << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t f2bf(float f) {
   uint32_t u; memcpy(&u, &f, 4);
   u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
   return (uint16_t)(u >> 16);
 }
+/* e^x for x in [-87, 80] (smaller x gives e^-87), inline so `omp simd` loops vectorize it
+ * (libm's vector expf is a call per vector): x = n ln 2 + f with |f| <= ln 2 / 2 (ln 2 in two
+ * parts), e^f by Cephes' polynomial (about 1 ulp), times 2^n built in the exponent bits. */
+static inline float exp_small(float x) {
+  x = fmaxf(x, -87.f);
+  const float n = floorf(x * 1.44269504088896341f + 0.5f);
+  const float f = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  const float e = p * f * f + f + 1.f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, 4);
+  return e * scale;
+}
+
+/* The logistic sigmoid 1 / (1 + e^-x), finite for every x under fast-math. */
+static inline float sigmoid(float x) { return 1.f / (1.f + exp_small(fminf(-x, 80.f))); }
+
 static inline float ld(const void *p, int64_t k, int bf) { return bf ? bf2f(((const uint16_t *)p)[k]) : ((const float *)p)[k]; }
 static inline void st(void *p, int64_t k, float v, int bf) { if (bf) ((uint16_t *)p)[k] = f2bf(v); else ((float *)p)[k] = v; }
 
@@ -131,8 +195,8 @@ static row_plan plan_alloc(const tile_args *t, int64_t K) {
   row_plan rp = {0};
   rp.start = malloc(sizeof(int64_t) * (size_t)(2 * t->NB + 4));
   rp.bucket = malloc(sizeof(int32_t) * (size_t)(2 * t->NB + 4));
-  rp.trow = malloc(sizeof(int32_t) * (size_t)(K + 8));
-  rp.rrow = malloc(sizeof(int32_t) * (size_t)(K + 8));
+  rp.trow = malloc(sizeof(int32_t) * (size_t)(K + KB));
+  rp.rrow = malloc(sizeof(int32_t) * (size_t)(K + KB));
   return rp;
 }
 static void plan_free(row_plan *rp) { free(rp->start); free(rp->bucket); free(rp->trow); free(rp->rrow); }
@@ -287,7 +351,7 @@ void hstu_tile_fwd(const tile_args *t, const void *s, int s_bf, void *a, int a_b
 #pragma omp simd
           for (int64_t j = 0; j < Kc; ++j) {
             float x = alpha * xrow[j] + brow[j];
-            xrow[j] = mrow[j] * (x / (1.f + expf(fminf(-x, 80.f))));  /* finite under fast-math */
+            xrow[j] = mrow[j] * (x * sigmoid(x));
           }
           store_row(a, base, a_bf, xrow, K);
         }
@@ -329,7 +393,7 @@ void hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, 
 #pragma omp simd
           for (int64_t j = 0; j < Kc; ++j) {
             float x = alpha * xrow[j] + brow[j];
-            float sg = 1.f / (1.f + expf(fminf(-x, 80.f)));
+            float sg = sigmoid(x);
             float m = mrow[j];
             float d = m * grow[j] * sg * (1.f + x * (1.f - sg));
             xrow[j] = m * x * sg;
@@ -402,96 +466,110 @@ static void row_extents(const tile_args *t, int64_t K, int64_t *sorted_n, int64_
 }
 
 /* s[r][j] = b[r][j] + sum_c qa[r][c] k[j][c] for r < R <= ROWS query rows (qa rows `qs`
- * apart, b / s rows `bs` apart) and j < n8 (a multiple of 8), keys in blocks of 8:
- * kb[(j / 8) * 8 * dq + c * 8 + j % 8]. A block of keys is loaded once for all R rows, so
+ * apart, b / s rows `bs` apart) and j < nb (a multiple of KB), keys in blocks of KB:
+ * kb[(j / KB) * KB * dq + c * KB + j % KB]. A block of keys is loaded once for all R rows, so
  * keys stream from cache R times less often than row by row (that stream bounds the
  * one-row loop at long lengths). Each (row, key) sum runs over c in order from b, the same
  * whatever R is: a row's scores do not depend on the rows beside it. */
-#define ROWS 4
+#if VEC && VW == 16
+#define ROWS 8  /* 2 ROWS accumulators + 2 key vectors of the 32 registers */
+#else
+#define ROWS 4  /* of 16 */
+#endif
 static inline __attribute__((always_inline)) void scores_rows_r(const float *kb, const float *qa, int64_t qs,
-                                                                const float *b, float *s, int64_t bs, int64_t n8,
+                                                                const float *b, float *s, int64_t bs, int64_t nb,
                                                                 int64_t dq, const int R) {
   int64_t jb = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  for (; jb + 16 <= n8; jb += 16) {  /* two key blocks x R rows: up to 8 independent FMA chains */
-    const float *k0 = kb + jb * dq, *k1 = k0 + 8 * dq;
-    __m256 a[ROWS], e[ROWS];
-    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(b + r * bs + jb), e[r] = _mm256_loadu_ps(b + r * bs + jb + 8);
+#if VEC
+  for (; jb + 2 * KB <= nb; jb += 2 * KB) {  /* two key blocks x R rows: up to 8 independent FMA chains */
+    const float *k0 = kb + jb * dq, *k1 = k0 + KB * dq;
+    vf a[ROWS], e[ROWS];
+    for (int r = 0; r < R; ++r) a[r] = VLOAD(b + r * bs + jb), e[r] = VLOAD(b + r * bs + jb + KB);
     for (int64_t c = 0; c < dq; ++c) {
-      const __m256 x0 = _mm256_loadu_ps(k0 + c * 8), x1 = _mm256_loadu_ps(k1 + c * 8);
+      const vf x0 = VLOAD(k0 + c * KB), x1 = VLOAD(k1 + c * KB);
       for (int r = 0; r < R; ++r) {
-        const __m256 w = _mm256_broadcast_ss(qa + r * qs + c);
-        a[r] = _mm256_fmadd_ps(w, x0, a[r]);
-        e[r] = _mm256_fmadd_ps(w, x1, e[r]);
+        const vf w = VSET1(qa[r * qs + c]);
+        a[r] = VFMA(w, x0, a[r]);
+        e[r] = VFMA(w, x1, e[r]);
       }
     }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(s + r * bs + jb, a[r]), _mm256_storeu_ps(s + r * bs + jb + 8, e[r]);
+    for (int r = 0; r < R; ++r) VSTORE(s + r * bs + jb, a[r]), VSTORE(s + r * bs + jb + KB, e[r]);
   }
-  for (; jb < n8; jb += 8) {
+  for (; jb < nb; jb += KB) {
     const float *k0 = kb + jb * dq;
-    __m256 a[ROWS];
-    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(b + r * bs + jb);
+    vf a[ROWS];
+    for (int r = 0; r < R; ++r) a[r] = VLOAD(b + r * bs + jb);
     for (int64_t c = 0; c < dq; ++c) {
-      const __m256 x0 = _mm256_loadu_ps(k0 + c * 8);
-      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qa + r * qs + c), x0, a[r]);
+      const vf x0 = VLOAD(k0 + c * KB);
+      for (int r = 0; r < R; ++r) a[r] = VFMA(VSET1(qa[r * qs + c]), x0, a[r]);
     }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(s + r * bs + jb, a[r]);
+    for (int r = 0; r < R; ++r) VSTORE(s + r * bs + jb, a[r]);
   }
 #else
-  for (; jb < n8; jb += 8)
+  for (; jb < nb; jb += KB)
     for (int r = 0; r < R; ++r) {
       const float *blk = kb + jb * dq;
       float *sr = s + r * bs + jb;
-      for (int l = 0; l < 8; ++l) sr[l] = b[r * bs + jb + l];
+      for (int l = 0; l < KB; ++l) sr[l] = b[r * bs + jb + l];
       for (int64_t c = 0; c < dq; ++c)
-        for (int l = 0; l < 8; ++l) sr[l] = fmaf(qa[r * qs + c], blk[c * 8 + l], sr[l]);
+        for (int l = 0; l < KB; ++l) sr[l] = fmaf(qa[r * qs + c], blk[c * KB + l], sr[l]);
     }
 #endif
 }
 
-static inline void scores_8_rows(const float *kb, const float *qa, int64_t qs, const float *b, float *s,
-                                 int64_t bs, int64_t n8, int64_t dq, int64_t R) {
-  if (R == ROWS) scores_rows_r(kb, qa, qs, b, s, bs, n8, dq, ROWS);  /* unrolled for the common case */
-  else scores_rows_r(kb, qa, qs, b, s, bs, n8, dq, (int)R);
+static inline void scores_rows(const float *kb, const float *qa, int64_t qs, const float *b, float *s,
+                               int64_t bs, int64_t nb, int64_t dq, int64_t R) {
+  if (R == ROWS) scores_rows_r(kb, qa, qs, b, s, bs, nb, dq, ROWS);  /* unrolled for the common case */
+  else scores_rows_r(kb, qa, qs, b, s, bs, nb, dq, (int)R);
 }
+
+#if VEC
+/* o[r][c0 + c] = sum_{j < n} a[r][j] v[j][c0 + c] for c < CH VW (CH = 1 or 2 vectors of
+ * columns; masked: one vector, its lanes from m) and r < R <= ROWS rows: each value row is
+ * loaded once for all R rows, and the R CH sums are independent chains. */
+static inline __attribute__((always_inline)) void wsum_cols(const float *a, int64_t as, const float *v, int64_t n,
+                                                            int64_t dv, float *o, int64_t os, const int R,
+                                                            int64_t c0, const int CH, const int masked, vmask m) {
+  vf s0[ROWS], s1[ROWS];
+  for (int r = 0; r < R; ++r) s0[r] = s1[r] = VZERO();
+  for (int64_t j = 0; j < n; ++j) {
+    const float *vj = v + j * dv + c0;
+    const vf v0 = masked ? VLOADM(vj, m) : VLOAD(vj), v1 = CH == 2 ? VLOAD(vj + VW) : VZERO();
+    for (int r = 0; r < R; ++r) {
+      const vf w = VSET1(a[r * as + j]);
+      s0[r] = VFMA(w, v0, s0[r]);
+      if (CH == 2) s1[r] = VFMA(w, v1, s1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (masked) VSTOREM(o + r * os + c0, m, s0[r]);
+    else VSTORE(o + r * os + c0, s0[r]);
+    if (CH == 2) VSTORE(o + r * os + c0 + VW, s1[r]);
+  }
+}
+
+#endif
 
 /* o[r][c] = sum_{j < n} a[r][j] v[j][c] for r < R <= ROWS rows (a rows `as` apart, o rows
  * `os` apart; a[r][j] = 0 where row r does not see key j, which adds exact zeros), v [n, dv]
- * row-major: each value row is loaded once for all R rows. The sum over j runs in two
- * chains (even and odd j) added at the end, the same whatever R and n are. */
+ * row-major, two vectors of columns per pass over the values. Each sum runs over j in
+ * order, the same whatever R, n and the column chunking are. */
 static inline __attribute__((always_inline)) void wsum_rows_r(const float *a, int64_t as, const float *v, int64_t n,
                                                               int64_t dv, float *o, int64_t os, const int R) {
+#if VEC
   int64_t c0 = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  for (; c0 + 8 <= dv; c0 += 8) {
-    __m256 s0[ROWS], s1[ROWS];
-    for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      const __m256 v0 = _mm256_loadu_ps(v + j * dv + c0), v1 = _mm256_loadu_ps(v + (j + 1) * dv + c0);
-      for (int r = 0; r < R; ++r) {
-        s0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + r * as + j), v0, s0[r]);
-        s1[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + r * as + j + 1), v1, s1[r]);
-      }
-    }
-    if (j < n) {
-      const __m256 v0 = _mm256_loadu_ps(v + j * dv + c0);
-      for (int r = 0; r < R; ++r) s0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + r * as + j), v0, s0[r]);
-    }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(o + r * os + c0, _mm256_add_ps(s0[r], s1[r]));
-  }
-#endif
+  const vmask none = VMASK(0);
+  for (; c0 + 2 * VW <= dv; c0 += 2 * VW) wsum_cols(a, as, v, n, dv, o, os, R, c0, 2, 0, none);
+  for (; c0 + VW <= dv; c0 += VW) wsum_cols(a, as, v, n, dv, o, os, R, c0, 1, 0, none);
+  if (c0 < dv) wsum_cols(a, as, v, n, dv, o, os, R, c0, 1, 1, VMASK((int)(dv - c0)));
+#else
   for (int r = 0; r < R; ++r)
-    for (int64_t c = c0; c < dv; ++c) {
-      float e0 = 0.f, e1 = 0.f;
-      int64_t j = 0;
-      for (; j + 2 <= n; j += 2) {
-        e0 = fmaf(a[r * as + j], v[j * dv + c], e0);
-        e1 = fmaf(a[r * as + j + 1], v[(j + 1) * dv + c], e1);
-      }
-      if (j < n) e0 = fmaf(a[r * as + j], v[j * dv + c], e0);
-      o[r * os + c] = e0 + e1;
+    for (int64_t c = 0; c < dv; ++c) {
+      float e = 0.f;
+      for (int64_t j = 0; j < n; ++j) e = fmaf(a[r * as + j], v[j * dv + c], e);
+      o[r * os + c] = e;
     }
+#endif
 }
 
 static inline void weighted_sum_rows(const float *a, int64_t as, const float *v, int64_t n, int64_t dv, float *o,
@@ -503,14 +581,14 @@ static inline void weighted_sum_rows(const float *a, int64_t as, const float *v,
 /* The whole HSTU attention forward of queries [i0, i0 + bq) in one pass, without an [N, N]
  * tile in memory: per query row, the scores against its visible keys (a prefix [0, n) and,
  * for a candidate, its own key), bias + SiLU, then the weighted sum of values.
- *   q [G, H, bq, dq]; kb [G, H, K8 / 8, dq, 8]: keys in blocks of 8 (K8 = K rounded up to 8,
- *   zero padded), so 8 scores are one vector of fused multiply-adds over contiguous memory;
+ *   q [G, H, bq, dq]; kb [G, H, KP / KB, dq, KB]: keys in blocks of KB (KP = K rounded up to
+ *   KB, zero padded), so KB scores are one vector of fused multiply-adds over contiguous memory;
  *   v [G, H, K, dv]; out [G, H, bq, dv], fp32, unscaled by 1/n.
  * Visibility is the tile's: j <= i and (j < hist or j == i). Each output row is summed by
  * one thread in a fixed order, so results do not depend on the thread count. */
 void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, const float *kb,
                    const float *v, float *out) {
-  const int64_t K = t->K, K8 = (K + 7) / 8 * 8, H = t->H, bq = t->bq, W = K8 + 8;
+  const int64_t K = t->K, KP = (K + KB - 1) / KB * KB, H = t->H, bq = t->bq, W = KP + KB;
   const int64_t NBLK = (bq + ROWS - 1) / ROWS;
   const float alpha = t->alpha;
   int64_t *sorted_n = calloc((size_t)t->G, sizeof(int64_t)), *lin_n = calloc((size_t)t->G, sizeof(int64_t));
@@ -519,7 +597,7 @@ void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
   {
     float *brow = malloc(sizeof(float) * (size_t)(W * ROWS));
     float *srow = malloc(sizeof(float) * (size_t)(W * ROWS));
-    row_plan rp = plan_alloc(t, K8);
+    row_plan rp = plan_alloc(t, KP);
     float *qa = malloc(sizeof(float) * (size_t)(dq * ROWS));
     float *o = malloc(sizeof(float) * (size_t)(dv * ROWS));
     int64_t nr[ROWS], ir[ROWS];
@@ -548,30 +626,30 @@ void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
           ++R;
         }
         if (!R) continue;
-        const int64_t n8 = (nmax + 7) / 8 * 8;
+        const int64_t nb = (nmax + KB - 1) / KB * KB;
         for (int64_t r = 0; r < R; ++r)
-          for (int64_t j = nr[r]; j < n8; ++j) brow[r * W + j] = 0.f;
+          for (int64_t j = nr[r]; j < nb; ++j) brow[r * W + j] = 0.f;
         for (int64_t hh = 0; hh < H; ++hh) {
           const int64_t gh = g * H + hh;
-          const float *kg = kb + gh * dq * K8, *vg = v + gh * K * dv;
+          const float *kg = kb + gh * dq * KP, *vg = v + gh * K * dv;
           for (int64_t r = 0; r < R; ++r)
             for (int64_t c = 0; c < dq; ++c) qa[r * dq + c] = alpha * q[(gh * bq + ir[r] - t->i0) * dq + c];
-          scores_8_rows(kg, qa, dq, brow, srow, W, n8, dq, R);
+          scores_rows(kg, qa, dq, brow, srow, W, nb, dq, R);
           for (int64_t r = 0; r < R; ++r) {
             float *sr = srow + r * W;
             const int64_t n = nr[r];
 #pragma omp simd
-            for (int64_t j = 0; j < n; ++j) sr[j] = sr[j] / (1.f + expf(fminf(-sr[j], 80.f)));
+            for (int64_t j = 0; j < n; ++j) sr[j] = sr[j] * sigmoid(sr[j]);
             for (int64_t j = n; j < nmax; ++j) sr[j] = 0.f;  /* keys this row does not see */
           }
           weighted_sum_rows(srow, W, vg, nmax, dv, o, dv, R);
           for (int64_t r = 0; r < R; ++r) {
             const int64_t i = ir[r];
             if (i >= h && i < K) {  /* a candidate's own key */
-              const float *blk = kg + (i / 8) * 8 * dq;
+              const float *blk = kg + (i / KB) * KB * dq;
               float x = bself[r];
-              for (int64_t c = 0; c < dq; ++c) x += qa[r * dq + c] * blk[c * 8 + i % 8];
-              const float aself = x / (1.f + expf(fminf(-x, 80.f)));
+              for (int64_t c = 0; c < dq; ++c) x += qa[r * dq + c] * blk[c * KB + i % KB];
+              const float aself = x * sigmoid(x);
               for (int64_t c = 0; c < dv; ++c) o[r * dv + c] += aself * vg[i * dv + c];
             }
             memcpy(out + (gh * bq + i - t->i0) * dv, o + r * dv, sizeof(float) * (size_t)dv);
@@ -584,31 +662,66 @@ void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
   free(sorted_n); free(lin_n);
 }
 
-/* y[j][c] += sum_{r < R} s[r][j] x[r][c] for j < n, c < d (y row-major [n, d]; s rows
- * `ss` apart, x rows `xs` apart): each row of y is read and written once for R updates. */
-static inline void rank_r_rows(const float *s, int64_t ss, const float *x, int64_t xs, int64_t R, float *y,
-                               int64_t n, int64_t d) {
-  const int64_t d8 = d / 8 * 8;
-  for (int64_t j = 0; j < n; ++j) {
-    float *yj = y + j * d;
-    int64_t c = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    for (; c < d8; c += 8) {
-      __m256 acc = _mm256_loadu_ps(yj + c);
-      for (int64_t r = 0; r < R; ++r)
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[r * ss + j]), _mm256_loadu_ps(x + r * xs + c), acc);
-      _mm256_storeu_ps(yj + c, acc);
-    }
-#endif
-    for (; c < d; ++c) {
-      float acc = yj[c];
-      for (int64_t r = 0; r < R; ++r) acc += s[r * ss + j] * x[r * xs + c];
-      yj[c] = acc;
+#define BWD_ROWS 8
+
+/* y[j][c] += sum_{r < R} s[r][j] x[r][c] for j < n, c < d, R <= BWD_ROWS (y row-major
+ * [n, d]; s rows `ss` apart, x rows `xs` apart): the R rows of x stay in registers, a
+ * chunk of columns at a time, while each row of y is read and written once for R updates.
+ * Each y[j][c] adds its R terms in order r = 0, 1, ..., whatever the chunking. */
+static inline __attribute__((always_inline)) void rank_rows_r(const float *s, int64_t ss, const float *x, int64_t xs,
+                                                              float *y, int64_t n, int64_t d, const int R) {
+#if VEC
+  int64_t c = 0;
+#if VW == 16
+  for (; c + 2 * VW <= d; c += 2 * VW) {  /* 2 R of the 32 vector registers */
+    vf x0[BWD_ROWS], x1[BWD_ROWS];
+    for (int r = 0; r < R; ++r) x0[r] = VLOAD(x + r * xs + c), x1[r] = VLOAD(x + r * xs + c + VW);
+    for (int64_t j = 0; j < n; ++j) {
+      float *yj = y + j * d + c;
+      vf a0 = VLOAD(yj), a1 = VLOAD(yj + VW);
+      for (int r = 0; r < R; ++r) {
+        const vf w = VSET1(s[r * ss + j]);
+        a0 = VFMA(w, x0[r], a0);
+        a1 = VFMA(w, x1[r], a1);
+      }
+      VSTORE(yj, a0), VSTORE(yj + VW, a1);
     }
   }
+#endif
+  for (; c < d; c += VW) {
+    vf x0[BWD_ROWS];
+    if (c + VW <= d) {
+      for (int r = 0; r < R; ++r) x0[r] = VLOAD(x + r * xs + c);
+      for (int64_t j = 0; j < n; ++j) {
+        vf a = VLOAD(y + j * d + c);
+        for (int r = 0; r < R; ++r) a = VFMA(VSET1(s[r * ss + j]), x0[r], a);
+        VSTORE(y + j * d + c, a);
+      }
+    } else {
+      const vmask m = VMASK((int)(d - c));
+      for (int r = 0; r < R; ++r) x0[r] = VLOADM(x + r * xs + c, m);
+      for (int64_t j = 0; j < n; ++j) {
+        vf a = VLOADM(y + j * d + c, m);
+        for (int r = 0; r < R; ++r) a = VFMA(VSET1(s[r * ss + j]), x0[r], a);
+        VSTOREM(y + j * d + c, m, a);
+      }
+    }
+  }
+#else
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t c = 0; c < d; ++c) {
+      float acc = y[j * d + c];
+      for (int r = 0; r < R; ++r) acc = fmaf(s[r * ss + j], x[r * xs + c], acc);
+      y[j * d + c] = acc;
+    }
+#endif
 }
 
-#define BWD_ROWS 8
+static inline void rank_r_rows(const float *s, int64_t ss, const float *x, int64_t xs, int64_t R, float *y,
+                               int64_t n, int64_t d) {
+  if (R == BWD_ROWS) rank_rows_r(s, ss, x, xs, y, n, d, BWD_ROWS);  /* unrolled for the common case */
+  else rank_rows_r(s, ss, x, xs, y, n, d, (int)R);
+}
 
 /* The whole HSTU attention backward in one pass over the query rows, no [N, N] tile, in
  * blocks of BWD_ROWS consecutive rows: per row the scores and da = do . v again, a =
@@ -616,7 +729,7 @@ static inline void rank_r_rows(const float *s, int64_t ss, const float *x, int64
  * block dk_j += alpha sum_i ds_ij q_i and dv_j += sum_i a_ij do_i over its rows at once (a
  * key's row of dk / dv is read and written once per block, not once per query), into
  * per-thread partial sums added up in thread order at the end; and the bias gradients.
- *   q [G, H, N, dq]; kb, vb: keys / values in blocks of 8 as in hstu_attn_fwd; k [G, H, N, dq];
+ *   q [G, H, N, dq]; kb, vb: keys / values in blocks of KB as in hstu_attn_fwd; k [G, H, N, dq];
  *   dout [G, H, N, dv] (already scaled by 1/n); dq_out, dk_out [G, H, N, dq], dv_out
  *   [G, H, N, dv] (written); d_ts / d_pos: float64, added to.
  * Blocks are dealt to threads in a fixed pattern and every partial sum is added in a fixed
@@ -624,7 +737,7 @@ static inline void rank_r_rows(const float *s, int64_t ss, const float *x, int64
 void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, const float *kb,
                    const float *vb, const float *k, const float *dout, float *dq_out, float *dk_out,
                    float *dv_out, double *d_ts, double *d_pos) {
-  const int64_t K = t->N, K8 = (K + 7) / 8 * 8, H = t->H, G = t->G, W = K8 + 8;
+  const int64_t K = t->N, KP = (K + KB - 1) / KB * KB, H = t->H, G = t->G, W = KP + KB;
   const int64_t NBLK = (K + BWD_ROWS - 1) / BWD_ROWS;
   const float alpha = t->alpha;
   const int nthreads = t->nthreads;
@@ -650,7 +763,7 @@ void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
     int64_t nr[BWD_ROWS];
     int self[BWD_ROWS];
     row_plan rp[BWD_ROWS];
-    for (int r = 0; r < BWD_ROWS; ++r) rp[r] = plan_alloc(t, K8);
+    for (int r = 0; r < BWD_ROWS; ++r) rp[r] = plan_alloc(t, KP);
     const int tid = omp_get_thread_num();
     double *lts = all_ts ? all_ts + nts * (size_t)tid : NULL;
     double *lpos = all_pos ? all_pos + npos * (size_t)tid : NULL;
@@ -677,26 +790,26 @@ void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
           visible_bias(t, g, i, nr[r], sorted_n[g], lin_n[g], br, &rp[r]);
           for (int64_t j = 0; j < nr[r]; ++j) drow[r * W + j] = 0.f;
         }
-        const int64_t n8max = (nmax + 7) / 8 * 8;
+        const int64_t nbmax = (nmax + KB - 1) / KB * KB;
         for (int64_t r = 0; r < R; ++r)
-          for (int64_t j = nr[r]; j < n8max; ++j) brow[r * W + j] = 0.f;
+          for (int64_t j = nr[r]; j < nbmax; ++j) brow[r * W + j] = 0.f;
         for (int64_t hh = 0; hh < H; ++hh) {
           const int64_t gh = g * H + hh;
-          const float *kg = kb + gh * dq * K8, *vg = vb + gh * dv * K8, *kr = k + gh * K * dq;
+          const float *kg = kb + gh * dq * KP, *vg = vb + gh * dv * KP, *kr = k + gh * K * dq;
           float *dkg = ldk + gh * K * dq, *dvg = ldv + gh * K * dv;
           for (int64_t r = 0; r < R; ++r)
             for (int64_t c = 0; c < dq; ++c) qa[r * dq + c] = alpha * q[(gh * K + i0 + r) * dq + c];
           for (int64_t r0 = 0; r0 < R; r0 += ROWS) {  /* scores of ROWS rows per pass over the keys */
             const int64_t m = R - r0 < ROWS ? R - r0 : ROWS;
-            scores_8_rows(kg, qa + r0 * dq, dq, brow + r0 * W, xrow, W, n8max, dq, m);
-            scores_8_rows(vg, dout + (gh * K + i0 + r0) * dv, dv, zeros, grow, W, n8max, dv, m);
+            scores_rows(kg, qa + r0 * dq, dq, brow + r0 * W, xrow, W, nbmax, dq, m);
+            scores_rows(vg, dout + (gh * K + i0 + r0) * dv, dv, zeros, grow, W, nbmax, dv, m);
             for (int64_t r = r0; r < r0 + m; ++r) {
               const int64_t n = nr[r];
               const float *xr = xrow + (r - r0) * W, *gr = grow + (r - r0) * W;
               float *ar = arow + r * W, *sr = srow + r * W, *dr = drow + r * W;
 #pragma omp simd
               for (int64_t j = 0; j < n; ++j) {
-                const float x = xr[j], sg = 1.f / (1.f + expf(fminf(-x, 80.f)));
+                const float x = xr[j], sg = sigmoid(x);
                 ar[j] = x * sg;
                 sr[j] = gr[j] * sg * (1.f + x * (1.f - sg));
                 dr[j] += sr[j];
@@ -711,8 +824,8 @@ void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
                 const float *qar = qa + r * dq, *dor = dout + (gh * K + i) * dv;
                 float x = pair_bias(t, g, i, i), da = 0.f;
                 for (int64_t c = 0; c < dq; ++c) x += qar[c] * kr[i * dq + c];
-                for (int64_t c = 0; c < dv; ++c) da += dor[c] * vg[(i / 8) * 8 * dv + c * 8 + i % 8];
-                const float sg = 1.f / (1.f + expf(fminf(-x, 80.f)));
+                for (int64_t c = 0; c < dv; ++c) da += dor[c] * vg[(i / KB) * KB * dv + c * KB + i % KB];
+                const float sg = sigmoid(x);
                 const float dsi = da * sg * (1.f + x * (1.f - sg)), ai = x * sg;
                 dself[r] += dsi;
                 for (int64_t c = 0; c < dq; ++c) orow[c] += dsi * kr[i * dq + c];
