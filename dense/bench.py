@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from . import fused
 from .config import TowerConfig
 from .precision import autocast
 from .tower import build_tower
@@ -170,8 +171,9 @@ def run(quick: bool) -> dict:
 def _run(quick: bool) -> dict:
     torch.manual_seed(0)
     reps = 5 if quick else 9
+    lib = fused.library()
     out: dict = {"threads": torch.get_num_threads(), "load_average": os.getloadavg()[0],
-                 "precision": PRECISION}
+                 "precision": PRECISION, "kernel_isa": lib.isa if lib is not None else "pytorch"}
 
     lengths = [256, 1024, 4096] + ([] if quick else [8192])
     for n in lengths:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import platform
 
 import pytest
 import torch
@@ -182,19 +183,22 @@ def test_fused_time_index_runs_agree_with_the_formula_pair_by_pair():
 
 @pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
 @pytest.mark.parametrize("num_targets", [None, [1, 0, 1, 3, 0, 2, 0, 0, 22]])
-def test_one_pass_native_kernels_match_reference_for_any_head_dims(num_targets, monkeypatch):
+@pytest.mark.parametrize("dqk,dv", [(12, 20), (36, 40)])
+def test_one_pass_native_kernels_match_reference_for_any_head_dims(num_targets, dqk, dv, monkeypatch):
     """fp32 runs the whole forward and the whole backward in one native pass each (no
     [N, N] tile): outputs and every gradient (q, k, v, both biases) must match the float64
     reference with query/key and value dims that are not multiples of the vector width and
     differ, candidates included; the forward gives the same bits on 1 and 2 threads, the
-    backward the same bits when run again; and both kernels must actually have run."""
+    backward the same bits when run again; and both kernels must actually have run. 36 and
+    40 columns take the kernels' two-vectors-per-pass loops (8 and 16 floats a vector) and
+    their masked tails; 12 and 20 the one-vector ones."""
     lengths = SKEWED + [60]
     g = torch.Generator().manual_seed(5)
     off = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     T = int(off[-1])
     ts = torch.cumsum(torch.randint(0, 5000, (T,), generator=g), 0) - 100 * (torch.arange(T) % 7 == 3)
-    q, k = (torch.randn(T, 3, 12, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
-    v = torch.randn(T, 3, 20, dtype=torch.float64, generator=g).requires_grad_()
+    q, k = (torch.randn(T, 3, dqk, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(T, 3, dv, dtype=torch.float64, generator=g).requires_grad_()
     ts_w, pos_w = (torch.randn(n, dtype=torch.float64, generator=g).requires_grad_() for n in (13, 64))
     nt = None if num_targets is None else torch.tensor(num_targets + [9])
     ins64 = [q, k, v, ts_w, pos_w]
@@ -234,3 +238,72 @@ def test_native_tile_is_built_and_keeps_subnormals():
     assert fused.library() is not None
     tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in fp32
     assert float(tiny * 1.0) != 0.0
+
+
+# ----------------------------------------------------------------------------------------
+# The kernels' builds per instruction set: the loader takes the best one this CPU runs, an
+# unknown choice is an error naming the choices, and on a CPU that runs both x86 builds they
+# compute the same attention (to fp32 rounding) as each other and the reference.
+
+X86 = platform.machine() == "x86_64"
+AVX512 = X86 and set(fused.BUILDS["x86_64"][0][2]) <= fused._cpu_flags()
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """library() loads again under this test's environment, and the process's choice is put
+    back afterwards."""
+    monkeypatch.delenv("GENREC_DENSE_FUSED", raising=False)
+    monkeypatch.setattr(fused, "_lib", False)
+    return monkeypatch
+
+
+@pytest.mark.skipif(not X86, reason="x86 has two builds; other machines one")
+def test_a_cpu_without_avx512_gets_the_avx2_build(fresh_loader):
+    flags = fused._cpu_flags() - {"avx512f", "avx512vl", "avx512bw", "avx512dq"}
+    fresh_loader.setattr(fused, "_cpu_flags", lambda: flags)
+    lib = fused.library()
+    assert (lib.isa, lib.key_block) == ("avx2", 8)
+
+
+@pytest.mark.skipif(not X86, reason="x86 has two builds; other machines one")
+def test_the_loader_takes_the_widest_build_the_cpu_runs(fresh_loader):
+    lib = fused.library()
+    assert (lib.isa, lib.key_block) == (("avx512", 16) if AVX512 else ("avx2", 8))
+
+
+def test_an_unknown_isa_choice_names_the_builds(fresh_loader):
+    fresh_loader.setenv("GENREC_DENSE_ISA", "sse2")
+    with pytest.raises(fused.NativeKernelError, match="GENREC_DENSE_ISA='sse2'.*builds are"):
+        fused.library()
+
+
+def _attention(isa, monkeypatch, ins64, layout):
+    monkeypatch.setattr(fused, "_lib", False)
+    monkeypatch.setenv("GENREC_DENSE_ISA", isa)
+    assert fused.library().isa == isa
+    ins32 = [t.detach().float().requires_grad_() for t in ins64]
+    out = hstu_attention_chunked(*ins32[:3], layout, *ins32[3:], params("num_keys"))
+    return out, grads(out, ins32)
+
+
+@pytest.mark.skipif(not AVX512, reason="this CPU runs only the AVX2 build")
+def test_the_avx512_and_avx2_builds_agree(fresh_loader):
+    g = torch.Generator().manual_seed(8)
+    lengths = SKEWED + [61]
+    off = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    T = int(off[-1])
+    ts = torch.cumsum(torch.randint(0, 5000, (T,), generator=g), 0)
+    q, k = (torch.randn(T, 2, 33, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(T, 2, 47, dtype=torch.float64, generator=g).requires_grad_()
+    ts_w, pos_w = (torch.randn(n, dtype=torch.float64, generator=g).requires_grad_() for n in (13, 64))
+    ins64 = [q, k, v, ts_w, pos_w]
+    layout = make_layout(off, ts, None, 64)
+    ref = hstu_attention_reference(q, k, v, layout, ts_w, pos_w, params("num_keys"))
+    g_ref = grads(ref, ins64)
+    out512, g512 = _attention("avx512", fresh_loader, ins64, layout)
+    out2, g2 = _attention("avx2", fresh_loader, ins64, layout)
+    for a, b, want in zip([out512, *g512], [out2, *g2], [ref, *g_ref]):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * scale)
+        torch.testing.assert_close(a.double(), want, rtol=0, atol=1e-5 * scale)
