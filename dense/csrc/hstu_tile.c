@@ -182,9 +182,10 @@ static void time_bucket_row(const tile_args *t, int64_t ti, const int64_t *ts, i
   for (int64_t j = m; j < n; ++j) out[j] = time_bucket(t, ti, ts[j]);
 }
 
-/* Per-thread scratch of the bias of one query row's visible keys (see visible_bias). */
+/* Per-thread scratch of the bias of one query row's visible keys [j0, j0 + n) (see
+ * visible_bias); indices of keys in it (run starts, trow, rrow) are relative to j0. */
 typedef struct {
-  int64_t n, m, runs, pi, linear;
+  int64_t j0, n, m, runs, pi, linear;
   int64_t *start;   /* [2 NB + 3] run starts */
   int32_t *bucket;  /* [2 NB + 2] run buckets */
   int32_t *trow;    /* time bucket per key past the sorted prefix */
@@ -201,53 +202,58 @@ static row_plan plan_alloc(const tile_args *t, int64_t K) {
 }
 static void plan_free(row_plan *rp) { free(rp->start); free(rp->bucket); free(rp->trow); free(rp->rrow); }
 
-/* brow[j] = rab of (query i, key j) for the n visible keys [0, n) of row g, shared by the
- * heads. Where the keys' positions are 0, 1, 2, ... (lin_n: how many of row g's are) the
- * position bias is a reversed slice of pos_w; where its times are sorted (sorted_n) the
+/* brow[j - j0] = rab of (query i, key j) for the visible keys j in [j0, j1) of row g, shared
+ * by the heads. Where the keys' positions are 0, 1, 2, ... (lin_n: how many of row g's are)
+ * the position bias is a reversed slice of pos_w; where its times are sorted (sorted_n) the
  * time bias is a run of equal values per bucket: no gather per pair in either case. */
-static void visible_bias(const tile_args *t, int64_t g, int64_t i, int64_t n, int64_t sorted_n, int64_t lin_n,
-                         float *brow, row_plan *rp) {
-  const int64_t N = t->N, P = t->P;
+static void visible_bias(const tile_args *t, int64_t g, int64_t i, int64_t j0, int64_t j1, int64_t sorted_n,
+                         int64_t lin_n, float *brow, row_plan *rp) {
+  const int64_t N = t->N, P = t->P, n = j1 - j0;
+  rp->j0 = j0;
   rp->n = n;
-  rp->linear = n <= lin_n;
+  rp->linear = j1 <= lin_n;
   rp->pi = t->pos[g * N + i];
   if (!t->pos_w) {
     for (int64_t j = 0; j < n; ++j) brow[j] = 0.f;
-  } else if (rp->linear) {  /* r = pi - j, clamped to [0, P - 1] */
-    const int64_t pi = rp->pi, lo = pi - P + 1 > 0 ? (pi - P + 1 < n ? pi - P + 1 : n) : 0;
-    const int64_t hi = pi + 1 < n ? (pi + 1 > lo ? pi + 1 : lo) : n;
-    for (int64_t j = 0; j < lo; ++j) brow[j] = t->pos_w[P - 1];
-    for (int64_t j = lo; j < hi; ++j) brow[j] = t->pos_w[pi - j];
-    for (int64_t j = hi; j < n; ++j) brow[j] = t->pos_w[0];
+  } else if (rp->linear) {  /* r = pi - j, clamped to [0, P - 1]: P - 1 before lo, 0 from hi */
+    const int64_t pi = rp->pi;
+    int64_t lo = pi - P + 1, hi = pi + 1;
+    lo = lo < j0 ? j0 : (lo > j1 ? j1 : lo);
+    hi = hi < lo ? lo : (hi > j1 ? j1 : hi);
+    for (int64_t j = j0; j < lo; ++j) brow[j - j0] = t->pos_w[P - 1];
+    for (int64_t j = lo; j < hi; ++j) brow[j - j0] = t->pos_w[pi - j];
+    for (int64_t j = hi; j < j1; ++j) brow[j - j0] = t->pos_w[0];
   } else {
     const int64_t *pos = t->pos + g * N;
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = j0; j < j1; ++j) {
       int64_t r = rp->pi - pos[j];
       r = r < 0 ? 0 : (r > P - 1 ? P - 1 : r);
-      rp->rrow[j] = (int32_t)r;
-      brow[j] = t->pos_w[r];
+      rp->rrow[j - j0] = (int32_t)r;
+      brow[j - j0] = t->pos_w[r];
     }
   }
   rp->m = rp->runs = 0;
   if (!t->ts) return;
   const int64_t *ts = t->ts + g * N, ti = query_time(t, g, i);
-  rp->m = sorted_n < n ? sorted_n : n;
-  rp->runs = time_runs(t, ti, ts, rp->m, rp->start, rp->bucket);
+  rp->m = sorted_n < j1 ? sorted_n - j0 : n;
+  rp->m = rp->m < 0 ? 0 : rp->m;
+  rp->runs = time_runs(t, ti, ts + j0, rp->m, rp->start, rp->bucket);
   for (int64_t k = 0; k < rp->runs; ++k) {
     const float w = t->ts_w[rp->bucket[k]];
     for (int64_t j = rp->start[k]; j < rp->start[k + 1]; ++j) brow[j] += w;
   }
   for (int64_t j = rp->m; j < n; ++j) {
-    const int b = time_bucket(t, ti, ts[j]);
+    const int b = time_bucket(t, ti, ts[j0 + j]);
     rp->trow[j] = b;
     brow[j] += t->ts_w[b];
   }
 }
 
-/* The bias gradients of one row: lts[bucket] / lpos[r] += sum of drow over its pairs. */
+/* The bias gradients of one row's keys in rp: lts[bucket] / lpos[r] += sum of drow over
+ * their pairs (drow indexed like brow, relative to rp->j0). */
 static void visible_bias_grad(const tile_args *t, const row_plan *rp, const float *drow, double *lts,
                               double *lpos) {
-  const int64_t n = rp->n, P = t->P;
+  const int64_t n = rp->n, P = t->P, j0 = rp->j0, j1 = j0 + n;
   if (lts) {
     for (int64_t k = 0; k < rp->runs; ++k) {
       double acc = 0.0;
@@ -258,12 +264,14 @@ static void visible_bias_grad(const tile_args *t, const row_plan *rp, const floa
   }
   if (!lpos) return;
   if (rp->linear) {
-    const int64_t pi = rp->pi, lo = pi - P + 1 > 0 ? (pi - P + 1 < n ? pi - P + 1 : n) : 0;
-    const int64_t hi = pi + 1 < n ? (pi + 1 > lo ? pi + 1 : lo) : n;
+    const int64_t pi = rp->pi;
+    int64_t lo = pi - P + 1, hi = pi + 1;
+    lo = lo < j0 ? j0 : (lo > j1 ? j1 : lo);
+    hi = hi < lo ? lo : (hi > j1 ? j1 : hi);
     double far = 0.0, ahead = 0.0;
-    for (int64_t j = 0; j < lo; ++j) far += drow[j];
-    for (int64_t j = lo; j < hi; ++j) lpos[pi - j] += drow[j];
-    for (int64_t j = hi; j < n; ++j) ahead += drow[j];
+    for (int64_t j = j0; j < lo; ++j) far += drow[j - j0];
+    for (int64_t j = lo; j < hi; ++j) lpos[pi - j] += drow[j - j0];
+    for (int64_t j = hi; j < j1; ++j) ahead += drow[j - j0];
     lpos[P - 1] += far;
     lpos[0] += ahead;
   } else {
@@ -620,7 +628,7 @@ void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
           const int same = R > 0 && n == nr[R - 1] && t->pos[g * t->N + i] == t->pos[g * t->N + ir[R - 1]] &&
                            (!t->ts || query_time(t, g, i) == query_time(t, g, ir[R - 1]));
           if (same) memcpy(br, br - W, sizeof(float) * (size_t)n);
-          else visible_bias(t, g, i, n, sorted_n[g], lin_n[g], br, &rp);
+          else visible_bias(t, g, i, 0, n, sorted_n[g], lin_n[g], br, &rp);
           bself[R] = i >= h && i < K ? pair_bias(t, g, i, i) : 0.f;
           ir[R] = i, nr[R] = n, nmax = n > nmax ? n : nmax;
           ++R;
@@ -723,22 +731,28 @@ static inline void rank_r_rows(const float *s, int64_t ss, const float *x, int64
   else rank_rows_r(s, ss, x, xs, y, n, d, (int)R);
 }
 
-/* The whole HSTU attention backward in one pass over the query rows, no [N, N] tile, in
- * blocks of BWD_ROWS consecutive rows: per row the scores and da = do . v again, a =
- * SiLU(x) and ds = da SiLU'(x) on the visible keys, dq_i = alpha sum_j ds_j k_j; then per
- * block dk_j += alpha sum_i ds_ij q_i and dv_j += sum_i a_ij do_i over its rows at once (a
- * key's row of dk / dv is read and written once per block, not once per query), into
- * per-thread partial sums added up in thread order at the end; and the bias gradients.
+/* The whole HSTU attention backward in one pass over the query rows, no [N, N] tile. Rows
+ * go in super blocks of SUPER_ROWS that take the keys a chunk of KEY_CHUNK at a time, and
+ * within a chunk in blocks of BWD_ROWS: per row the scores and da = do . v again, a =
+ * SiLU(x) and ds = da SiLU'(x) on its visible keys, dq_i += alpha sum_j ds_j k_j; per block
+ * dk_j += alpha sum_i ds_ij q_i and dv_j += sum_i a_ij do_i over its rows at once (a key's row
+ * of dk / dv is read and written once per block), into per-thread partial sums added up in
+ * thread order at the end; and the bias gradients. A chunk's keys, values, dk and dv (five
+ * rows of KEY_CHUNK) stay in cache while the super block's rows use them: at long lengths
+ * streaming them per block of rows bounded the kernel.
  *   q [G, H, N, dq]; kb, vb: keys / values in blocks of KB as in hstu_attn_fwd; k [G, H, N, dq];
  *   dout [G, H, N, dv] (already scaled by 1/n); dq_out, dk_out [G, H, N, dq], dv_out
  *   [G, H, N, dv] (written); d_ts / d_pos: float64, added to.
- * Blocks are dealt to threads in a fixed pattern and every partial sum is added in a fixed
- * order, so a run repeats its bits for a given thread count. */
+ * Super blocks are dealt to threads in a fixed pattern and every partial sum is added in a
+ * fixed order (dq_i: chunk by chunk, each in key order), so a run repeats its bits for a
+ * given thread count. */
+#define SUPER_ROWS (8 * BWD_ROWS)
+#define KEY_CHUNK 256  /* a multiple of KB */
 void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, const float *kb,
                    const float *vb, const float *k, const float *dout, float *dq_out, float *dk_out,
                    float *dv_out, double *d_ts, double *d_pos) {
-  const int64_t K = t->N, KP = (K + KB - 1) / KB * KB, H = t->H, G = t->G, W = KP + KB;
-  const int64_t NBLK = (K + BWD_ROWS - 1) / BWD_ROWS;
+  const int64_t K = t->N, KP = (K + KB - 1) / KB * KB, H = t->H, G = t->G, CW = KEY_CHUNK + KB;
+  const int64_t NSB = (K + SUPER_ROWS - 1) / SUPER_ROWS;
   const float alpha = t->alpha;
   const int nthreads = t->nthreads;
   const size_t nts = (size_t)t->NB + 1, npos = (size_t)t->P;
@@ -749,106 +763,132 @@ void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
   float *all_dv = calloc(nv * (size_t)nthreads, sizeof(float));
   int64_t *sorted_n = calloc((size_t)G, sizeof(int64_t)), *lin_n = calloc((size_t)G, sizeof(int64_t));
   row_extents(t, K, sorted_n, lin_n);
-  float *zeros = calloc((size_t)(W * ROWS), sizeof(float));
+  float *zeros = calloc((size_t)(CW * ROWS), sizeof(float));
 #pragma omp parallel num_threads(nthreads)
   {
-    float *brow = malloc(sizeof(float) * (size_t)(W * BWD_ROWS));  /* per row of the block */
-    float *drow = malloc(sizeof(float) * (size_t)(W * BWD_ROWS));
-    float *arow = malloc(sizeof(float) * (size_t)(W * BWD_ROWS));
-    float *srow = malloc(sizeof(float) * (size_t)(W * BWD_ROWS));
-    float *xrow = malloc(sizeof(float) * (size_t)(W * ROWS)), *grow = malloc(sizeof(float) * (size_t)(W * ROWS));
+    float *brow = malloc(sizeof(float) * (size_t)(CW * BWD_ROWS));  /* per row of the block */
+    float *drow = malloc(sizeof(float) * (size_t)(CW * BWD_ROWS));
+    float *arow = malloc(sizeof(float) * (size_t)(CW * BWD_ROWS));
+    float *srow = malloc(sizeof(float) * (size_t)(CW * BWD_ROWS));
+    float *xrow = malloc(sizeof(float) * (size_t)(CW * ROWS)), *grow = malloc(sizeof(float) * (size_t)(CW * ROWS));
     float *qa = malloc(sizeof(float) * (size_t)(dq * BWD_ROWS));
     float *o = malloc(sizeof(float) * (size_t)(dq * ROWS));
-    double dself[BWD_ROWS];
-    int64_t nr[BWD_ROWS];
-    int self[BWD_ROWS];
+    float *qacc = malloc(sizeof(float) * (size_t)(H * SUPER_ROWS * dq));  /* dq sums per head and row */
+    double dself[SUPER_ROWS];
+    int64_t nr[SUPER_ROWS];
+    int self[SUPER_ROWS];
     row_plan rp[BWD_ROWS];
-    for (int r = 0; r < BWD_ROWS; ++r) rp[r] = plan_alloc(t, KP);
+    for (int r = 0; r < BWD_ROWS; ++r) rp[r] = plan_alloc(t, KEY_CHUNK);
     const int tid = omp_get_thread_num();
     double *lts = all_ts ? all_ts + nts * (size_t)tid : NULL;
     double *lpos = all_pos ? all_pos + npos * (size_t)tid : NULL;
     float *ldk = all_dk + nk * (size_t)tid, *ldv = all_dv + nv * (size_t)tid;
 #pragma omp for collapse(2) schedule(static, 1)
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t blk = 0; blk < NBLK; ++blk) {
-        const int64_t h = t->hist[g], i0 = blk * BWD_ROWS;
+      for (int64_t sb = 0; sb < NSB; ++sb) {
+        const int64_t h = t->hist[g], s0 = sb * SUPER_ROWS;
         const int64_t len = t->len ? t->len[g] : K;
-        int64_t i1 = i0 + BWD_ROWS < K ? i0 + BWD_ROWS : K;
-        for (int64_t i = (i0 < len ? len : i0); i < i1; ++i)  /* padding: zero dq rows, nothing else */
+        int64_t s1 = s0 + SUPER_ROWS < K ? s0 + SUPER_ROWS : K;
+        for (int64_t i = (s0 < len ? len : s0); i < s1; ++i)  /* padding: zero dq rows, nothing else */
           for (int64_t hh = 0; hh < H; ++hh) memset(dq_out + ((g * H + hh) * K + i) * dq, 0, sizeof(float) * (size_t)dq);
-        if (i1 > len) i1 = len;
-        const int64_t R = i1 - i0;
-        if (R <= 0) continue;
-        int64_t nmax = 0;
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t i = i0 + r;
+        if (s1 > len) s1 = len;
+        const int64_t S = s1 - s0;
+        if (S <= 0) continue;
+        int64_t nsup = 0;
+        for (int64_t r = 0; r < S; ++r) {
+          const int64_t i = s0 + r;
           nr[r] = i < h ? i + 1 : h;
           self[r] = i >= h;
           dself[r] = 0.0;
-          if (nr[r] > nmax) nmax = nr[r];
-          float *br = brow + r * W;
-          visible_bias(t, g, i, nr[r], sorted_n[g], lin_n[g], br, &rp[r]);
-          for (int64_t j = 0; j < nr[r]; ++j) drow[r * W + j] = 0.f;
+          if (nr[r] > nsup) nsup = nr[r];
         }
-        const int64_t nbmax = (nmax + KB - 1) / KB * KB;
-        for (int64_t r = 0; r < R; ++r)
-          for (int64_t j = nr[r]; j < nbmax; ++j) brow[r * W + j] = 0.f;
+        memset(qacc, 0, sizeof(float) * (size_t)(H * SUPER_ROWS * dq));
+        for (int64_t j0 = 0; j0 < nsup; j0 += KEY_CHUNK) {
+          const int64_t j1 = j0 + KEY_CHUNK < nsup ? j0 + KEY_CHUNK : nsup;
+          for (int64_t b0 = 0; b0 < S; b0 += BWD_ROWS) {
+            const int64_t R = S - b0 < BWD_ROWS ? S - b0 : BWD_ROWS;
+            int64_t nmax = j0;  /* the block's keys in this chunk: [j0, nmax) */
+            for (int64_t r = 0; r < R; ++r) {
+              const int64_t e = nr[b0 + r] < j1 ? nr[b0 + r] : j1;
+              if (e > nmax) nmax = e;
+            }
+            if (nmax <= j0) continue;  /* no row of the block sees a key of this chunk */
+            const int64_t nc = nmax - j0, nbc = (nc + KB - 1) / KB * KB;
+            for (int64_t r = 0; r < R; ++r) {
+              int64_t e = nr[b0 + r] < j1 ? nr[b0 + r] : j1;
+              e = e < j0 ? j0 : e;
+              float *br = brow + r * CW;
+              visible_bias(t, g, s0 + b0 + r, j0, e, sorted_n[g], lin_n[g], br, &rp[r]);
+              for (int64_t j = e - j0; j < nbc; ++j) br[j] = 0.f;
+              for (int64_t j = 0; j < e - j0; ++j) drow[r * CW + j] = 0.f;
+            }
+            for (int64_t hh = 0; hh < H; ++hh) {
+              const int64_t gh = g * H + hh, i0 = s0 + b0;
+              const float *kg = kb + gh * dq * KP + j0 * dq, *vg = vb + gh * dv * KP + j0 * dv;
+              const float *kr = k + (gh * K + j0) * dq;
+              float *dkg = ldk + (gh * K + j0) * dq, *dvg = ldv + (gh * K + j0) * dv;
+              for (int64_t r = 0; r < R; ++r)
+                for (int64_t c = 0; c < dq; ++c) qa[r * dq + c] = alpha * q[(gh * K + i0 + r) * dq + c];
+              for (int64_t r0 = 0; r0 < R; r0 += ROWS) {  /* scores of ROWS rows per pass over the keys */
+                const int64_t m = R - r0 < ROWS ? R - r0 : ROWS;
+                scores_rows(kg, qa + r0 * dq, dq, brow + r0 * CW, xrow, CW, nbc, dq, m);
+                scores_rows(vg, dout + (gh * K + i0 + r0) * dv, dv, zeros, grow, CW, nbc, dv, m);
+                for (int64_t r = r0; r < r0 + m; ++r) {
+                  const int64_t n = rp[r].n;
+                  const float *xr = xrow + (r - r0) * CW, *gr = grow + (r - r0) * CW;
+                  float *ar = arow + r * CW, *sr = srow + r * CW, *dr = drow + r * CW;
+#pragma omp simd
+                  for (int64_t j = 0; j < n; ++j) {
+                    const float x = xr[j], sg = sigmoid(x);
+                    ar[j] = x * sg;
+                    sr[j] = gr[j] * sg * (1.f + x * (1.f - sg));
+                    dr[j] += sr[j];
+                  }
+                  for (int64_t j = n; j < nc; ++j) ar[j] = sr[j] = 0.f;  /* keys this row does not see */
+                }
+                weighted_sum_rows(srow + r0 * CW, CW, kr, nc, dq, o, dq, m);
+                for (int64_t r = r0; r < r0 + m; ++r) {
+                  float *acc = qacc + (hh * SUPER_ROWS + b0 + r) * dq;
+                  for (int64_t c = 0; c < dq; ++c) acc[c] += o[(r - r0) * dq + c];
+                }
+              }
+              rank_r_rows(srow, CW, qa, dq, R, dkg, nc, dq);  /* dk_j += sum_i ds_ij (alpha q_i) */
+              rank_r_rows(arow, CW, dout + (gh * K + i0) * dv, dv, R, dvg, nc, dv);
+            }
+            for (int64_t r = 0; r < R; ++r) visible_bias_grad(t, &rp[r], drow + r * CW, lts, lpos);
+          }
+        }
         for (int64_t hh = 0; hh < H; ++hh) {
           const int64_t gh = g * H + hh;
-          const float *kg = kb + gh * dq * KP, *vg = vb + gh * dv * KP, *kr = k + gh * K * dq;
+          const float *vg = vb + gh * dv * KP, *kr = k + gh * K * dq;
           float *dkg = ldk + gh * K * dq, *dvg = ldv + gh * K * dv;
-          for (int64_t r = 0; r < R; ++r)
-            for (int64_t c = 0; c < dq; ++c) qa[r * dq + c] = alpha * q[(gh * K + i0 + r) * dq + c];
-          for (int64_t r0 = 0; r0 < R; r0 += ROWS) {  /* scores of ROWS rows per pass over the keys */
-            const int64_t m = R - r0 < ROWS ? R - r0 : ROWS;
-            scores_rows(kg, qa + r0 * dq, dq, brow + r0 * W, xrow, W, nbmax, dq, m);
-            scores_rows(vg, dout + (gh * K + i0 + r0) * dv, dv, zeros, grow, W, nbmax, dv, m);
-            for (int64_t r = r0; r < r0 + m; ++r) {
-              const int64_t n = nr[r];
-              const float *xr = xrow + (r - r0) * W, *gr = grow + (r - r0) * W;
-              float *ar = arow + r * W, *sr = srow + r * W, *dr = drow + r * W;
-#pragma omp simd
-              for (int64_t j = 0; j < n; ++j) {
-                const float x = xr[j], sg = sigmoid(x);
-                ar[j] = x * sg;
-                sr[j] = gr[j] * sg * (1.f + x * (1.f - sg));
-                dr[j] += sr[j];
-              }
-              for (int64_t j = n; j < nmax; ++j) ar[j] = sr[j] = 0.f;  /* keys this row does not see */
+          for (int64_t r = 0; r < S; ++r) {
+            const int64_t i = s0 + r;
+            float *acc = qacc + (hh * SUPER_ROWS + r) * dq;
+            if (self[r]) {  /* the candidate's own key: relative position 0 */
+              const float *qi = q + (gh * K + i) * dq, *dor = dout + (gh * K + i) * dv;
+              float x = pair_bias(t, g, i, i), da = 0.f;
+              for (int64_t c = 0; c < dq; ++c) x += alpha * qi[c] * kr[i * dq + c];
+              for (int64_t c = 0; c < dv; ++c) da += dor[c] * vg[(i / KB) * KB * dv + c * KB + i % KB];
+              const float sg = sigmoid(x);
+              const float dsi = da * sg * (1.f + x * (1.f - sg)), ai = x * sg;
+              dself[r] += dsi;
+              for (int64_t c = 0; c < dq; ++c) acc[c] += dsi * kr[i * dq + c];
+              for (int64_t c = 0; c < dq; ++c) dkg[i * dq + c] += dsi * (alpha * qi[c]);
+              for (int64_t c = 0; c < dv; ++c) dvg[i * dv + c] += ai * dor[c];
             }
-            weighted_sum_rows(srow + r0 * W, W, kr, nmax, dq, o, dq, m);
-            for (int64_t r = r0; r < r0 + m; ++r) {
-              const int64_t i = i0 + r;
-              float *orow = o + (r - r0) * dq;
-              if (self[r]) {  /* the candidate's own key: relative position 0 */
-                const float *qar = qa + r * dq, *dor = dout + (gh * K + i) * dv;
-                float x = pair_bias(t, g, i, i), da = 0.f;
-                for (int64_t c = 0; c < dq; ++c) x += qar[c] * kr[i * dq + c];
-                for (int64_t c = 0; c < dv; ++c) da += dor[c] * vg[(i / KB) * KB * dv + c * KB + i % KB];
-                const float sg = sigmoid(x);
-                const float dsi = da * sg * (1.f + x * (1.f - sg)), ai = x * sg;
-                dself[r] += dsi;
-                for (int64_t c = 0; c < dq; ++c) orow[c] += dsi * kr[i * dq + c];
-                for (int64_t c = 0; c < dq; ++c) dkg[i * dq + c] += dsi * qar[c];
-                for (int64_t c = 0; c < dv; ++c) dvg[i * dv + c] += ai * dor[c];
-              }
-              float *dqr = dq_out + (gh * K + i) * dq;
-              for (int64_t c = 0; c < dq; ++c) dqr[c] = alpha * orow[c];
-            }
+            float *dqr = dq_out + (gh * K + i) * dq;
+            for (int64_t c = 0; c < dq; ++c) dqr[c] = alpha * acc[c];
           }
-          rank_r_rows(srow, W, qa, dq, R, dkg, nmax, dq);  /* dk_j += sum_i ds_ij (alpha q_i) */
-          rank_r_rows(arow, W, dout + (gh * K + i0) * dv, dv, R, dvg, nmax, dv);
         }
-        for (int64_t r = 0; r < R; ++r) {
-          visible_bias_grad(t, &rp[r], drow + r * W, lts, lpos);
+        for (int64_t r = 0; r < S; ++r)
           if (self[r]) {
-            const int64_t i = i0 + r;
+            const int64_t i = s0 + r;
             if (lts) lts[time_bucket(t, query_time(t, g, i), t->ts[g * t->N + i])] += dself[r];
             if (lpos) lpos[0] += dself[r];
           }
-        }
       }
-    free(brow); free(drow); free(arow); free(srow); free(xrow); free(grow); free(qa); free(o);
+    free(brow); free(drow); free(arow); free(srow); free(xrow); free(grow); free(qa); free(o); free(qacc);
     for (int r = 0; r < BWD_ROWS; ++r) plan_free(&rp[r]);
   }
   /* the per-thread partial sums, in thread order */

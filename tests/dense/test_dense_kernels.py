@@ -228,6 +228,35 @@ def test_one_pass_native_kernels_match_reference_for_any_head_dims(num_targets, 
     assert all(torch.equal(a, b) for a, b in zip(grad_runs[1], grad_runs[2]))
 
 
+@pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
+@pytest.mark.parametrize("sorted_times", [True, False])
+def test_one_pass_kernels_on_long_rows_match_reference(sorted_times):
+    """Rows longer than the backward's chunk of keys (256) and its super block of rows (64 or
+    128): dq sums over several chunks, dk / dv and the bias gradients over several super
+    blocks, the time bias's runs cut at chunk edges (sorted times) or bucketed pair by pair
+    (times out of order), candidates seeing a history that spans chunks."""
+    g = torch.Generator().manual_seed(21)
+    lengths, targets = [700, 330, 3], [0, 45, 1]
+    off = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    T = int(off[-1])
+    ts = torch.cumsum(torch.randint(0, 50_000, (T,), generator=g), 0)
+    if not sorted_times:
+        ts = ts - 10**6 * (torch.arange(T) % 5 == 2)
+    q, k = (torch.randn(T, 2, 16, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(T, 2, 24, dtype=torch.float64, generator=g).requires_grad_()
+    ts_w, pos_w = (torch.randn(n, dtype=torch.float64, generator=g).requires_grad_() for n in (13, 1024))
+    p = HSTUAttentionParams(alpha=0.25, normalizer="num_keys", max_seq_len=1024, num_time_buckets=12,
+                            time_bucket_divisor=0.301, bucket_min_fill=0.75, block_elems=10**7)
+    layout = make_layout(off, ts, torch.tensor(targets), 1024)
+    ins64 = [q, k, v, ts_w, pos_w]
+    ref = hstu_attention_reference(q, k, v, layout, ts_w, pos_w, p)
+    g_ref = grads(ref, ins64)
+    ins32 = [t.detach().float().requires_grad_() for t in ins64]
+    out = hstu_attention_chunked(*ins32[:3], layout, *ins32[3:], p)
+    for a, b in zip([out, *grads(out, ins32)], [ref, *g_ref]):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-5 * b.abs().max().item())
+
+
 def test_native_tile_is_built_and_keeps_subnormals():
     """The install command built the tile (no silent PyTorch fallback), and loading it
     does not switch the process to flush-to-zero (as a -ffast-math link would)."""
@@ -254,6 +283,7 @@ def fresh_loader(monkeypatch):
     """library() loads again under this test's environment, and the process's choice is put
     back afterwards."""
     monkeypatch.delenv("GENREC_DENSE_FUSED", raising=False)
+    monkeypatch.delenv("GENREC_DENSE_ISA", raising=False)
     monkeypatch.setattr(fused, "_lib", False)
     return monkeypatch
 
