@@ -586,28 +586,34 @@ static inline void weighted_sum_rows(const float *a, int64_t as, const float *v,
   else wsum_rows_r(a, as, v, n, dv, o, os, (int)R);
 }
 
+#define KEY_CHUNK 256  /* keys per chunk in both kernels: a multiple of KB */
+
 /* The whole HSTU attention forward of queries [i0, i0 + bq) in one pass, without an [N, N]
- * tile in memory: per query row, the scores against its visible keys (a prefix [0, n) and,
- * for a candidate, its own key), bias + SiLU, then the weighted sum of values.
+ * tile in memory: per block of ROWS query rows, the keys a chunk of KEY_CHUNK at a time (the
+ * chunk's scores stay in cache between the passes over them): the bias of each row's visible
+ * keys in the chunk (a prefix [0, n) of the row and, for a candidate, its own key), the
+ * scores, bias + SiLU, and the weighted sum of the chunk's values added to the row's output.
  *   q [G, H, bq, dq]; kb [G, H, KP / KB, dq, KB]: keys in blocks of KB (KP = K rounded up to
  *   KB, zero padded), so KB scores are one vector of fused multiply-adds over contiguous memory;
  *   v [G, H, K, dv]; out [G, H, bq, dv], fp32, unscaled by 1/n.
  * Visibility is the tile's: j <= i and (j < hist or j == i). Each output row is summed by
- * one thread in a fixed order, so results do not depend on the thread count. */
+ * one thread in a fixed order (chunk by chunk, each in key order), so results do not depend
+ * on the thread count. */
 void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, const float *kb,
                    const float *v, float *out) {
-  const int64_t K = t->K, KP = (K + KB - 1) / KB * KB, H = t->H, bq = t->bq, W = KP + KB;
+  const int64_t K = t->K, KP = (K + KB - 1) / KB * KB, H = t->H, bq = t->bq, CW = KEY_CHUNK + KB;
   const int64_t NBLK = (bq + ROWS - 1) / ROWS;
   const float alpha = t->alpha;
   int64_t *sorted_n = calloc((size_t)t->G, sizeof(int64_t)), *lin_n = calloc((size_t)t->G, sizeof(int64_t));
   row_extents(t, K, sorted_n, lin_n);
 #pragma omp parallel num_threads(t->nthreads)
   {
-    float *brow = malloc(sizeof(float) * (size_t)(W * ROWS));
-    float *srow = malloc(sizeof(float) * (size_t)(W * ROWS));
-    row_plan rp = plan_alloc(t, KP);
-    float *qa = malloc(sizeof(float) * (size_t)(dq * ROWS));
+    float *brow = malloc(sizeof(float) * (size_t)(CW * ROWS));
+    float *srow = malloc(sizeof(float) * (size_t)(CW * ROWS));
+    row_plan rp = plan_alloc(t, KEY_CHUNK);
+    float *qa = malloc(sizeof(float) * (size_t)(H * dq * ROWS));
     float *o = malloc(sizeof(float) * (size_t)(dv * ROWS));
+    float *oacc = malloc(sizeof(float) * (size_t)(H * dv * ROWS));
     int64_t nr[ROWS], ir[ROWS];
     float bself[ROWS];
 #pragma omp for collapse(2) schedule(dynamic, 4)
@@ -623,48 +629,65 @@ void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
           }
           int64_t n = i < h ? i + 1 : h;
           n = n < K ? n : K;
-          float *br = brow + R * W;
-          /* candidates of one row share position and query time: their bias rows are equal */
-          const int same = R > 0 && n == nr[R - 1] && t->pos[g * t->N + i] == t->pos[g * t->N + ir[R - 1]] &&
-                           (!t->ts || query_time(t, g, i) == query_time(t, g, ir[R - 1]));
-          if (same) memcpy(br, br - W, sizeof(float) * (size_t)n);
-          else visible_bias(t, g, i, 0, n, sorted_n[g], lin_n[g], br, &rp);
           bself[R] = i >= h && i < K ? pair_bias(t, g, i, i) : 0.f;
           ir[R] = i, nr[R] = n, nmax = n > nmax ? n : nmax;
           ++R;
         }
         if (!R) continue;
-        const int64_t nb = (nmax + KB - 1) / KB * KB;
-        for (int64_t r = 0; r < R; ++r)
-          for (int64_t j = nr[r]; j < nb; ++j) brow[r * W + j] = 0.f;
+        for (int64_t hh = 0; hh < H; ++hh)
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t c = 0; c < dq; ++c)
+              qa[(hh * ROWS + r) * dq + c] = alpha * q[((g * H + hh) * bq + ir[r] - t->i0) * dq + c];
+        memset(oacc, 0, sizeof(float) * (size_t)(H * dv * ROWS));
+        for (int64_t j0 = 0; j0 < nmax; j0 += KEY_CHUNK) {
+          const int64_t j1 = j0 + KEY_CHUNK < nmax ? j0 + KEY_CHUNK : nmax;
+          const int64_t nc = j1 - j0, nbc = (nc + KB - 1) / KB * KB;
+          int64_t e[ROWS];
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t i = ir[r];
+            e[r] = nr[r] < j1 ? (nr[r] < j0 ? j0 : nr[r]) : j1;  /* the row's keys here: [j0, e) */
+            float *br = brow + r * CW;
+            /* candidates of one row share position and query time: their bias rows are equal */
+            const int same = r > 0 && e[r] == e[r - 1] && t->pos[g * t->N + i] == t->pos[g * t->N + ir[r - 1]] &&
+                             (!t->ts || query_time(t, g, i) == query_time(t, g, ir[r - 1]));
+            if (same) memcpy(br, br - CW, sizeof(float) * (size_t)(e[r] - j0));
+            else visible_bias(t, g, i, j0, e[r], sorted_n[g], lin_n[g], br, &rp);
+            for (int64_t j = e[r] - j0; j < nbc; ++j) br[j] = 0.f;
+          }
+          for (int64_t hh = 0; hh < H; ++hh) {
+            const int64_t gh = g * H + hh;
+            const float *kg = kb + gh * dq * KP + j0 * dq, *vg = v + (gh * K + j0) * dv;
+            scores_rows(kg, qa + hh * ROWS * dq, dq, brow, srow, CW, nbc, dq, R);
+            for (int64_t r = 0; r < R; ++r) {
+              float *sr = srow + r * CW;
+              const int64_t n = e[r] - j0;
+#pragma omp simd
+              for (int64_t j = 0; j < n; ++j) sr[j] = sr[j] * sigmoid(sr[j]);
+              for (int64_t j = n; j < nc; ++j) sr[j] = 0.f;  /* keys this row does not see */
+            }
+            weighted_sum_rows(srow, CW, vg, nc, dv, o, dv, R);
+            float *oh = oacc + hh * ROWS * dv;
+            for (int64_t x = 0; x < R * dv; ++x) oh[x] += o[x];
+          }
+        }
         for (int64_t hh = 0; hh < H; ++hh) {
           const int64_t gh = g * H + hh;
           const float *kg = kb + gh * dq * KP, *vg = v + gh * K * dv;
-          for (int64_t r = 0; r < R; ++r)
-            for (int64_t c = 0; c < dq; ++c) qa[r * dq + c] = alpha * q[(gh * bq + ir[r] - t->i0) * dq + c];
-          scores_rows(kg, qa, dq, brow, srow, W, nb, dq, R);
-          for (int64_t r = 0; r < R; ++r) {
-            float *sr = srow + r * W;
-            const int64_t n = nr[r];
-#pragma omp simd
-            for (int64_t j = 0; j < n; ++j) sr[j] = sr[j] * sigmoid(sr[j]);
-            for (int64_t j = n; j < nmax; ++j) sr[j] = 0.f;  /* keys this row does not see */
-          }
-          weighted_sum_rows(srow, W, vg, nmax, dv, o, dv, R);
           for (int64_t r = 0; r < R; ++r) {
             const int64_t i = ir[r];
+            float *orow = oacc + (hh * ROWS + r) * dv;
             if (i >= h && i < K) {  /* a candidate's own key */
-              const float *blk = kg + (i / KB) * KB * dq;
+              const float *blk = kg + (i / KB) * KB * dq, *qar = qa + (hh * ROWS + r) * dq;
               float x = bself[r];
-              for (int64_t c = 0; c < dq; ++c) x += qa[r * dq + c] * blk[c * KB + i % KB];
+              for (int64_t c = 0; c < dq; ++c) x += qar[c] * blk[c * KB + i % KB];
               const float aself = x * sigmoid(x);
-              for (int64_t c = 0; c < dv; ++c) o[r * dv + c] += aself * vg[i * dv + c];
+              for (int64_t c = 0; c < dv; ++c) orow[c] += aself * vg[i * dv + c];
             }
-            memcpy(out + (gh * bq + i - t->i0) * dv, o + r * dv, sizeof(float) * (size_t)dv);
+            memcpy(out + (gh * bq + i - t->i0) * dv, orow, sizeof(float) * (size_t)dv);
           }
         }
       }
-    free(brow); free(srow); free(qa); free(o);
+    free(brow); free(srow); free(qa); free(o); free(oacc);
     plan_free(&rp);
   }
   free(sorted_n); free(lin_n);
@@ -747,7 +770,6 @@ static inline void rank_r_rows(const float *s, int64_t ss, const float *x, int64
  * fixed order (dq_i: chunk by chunk, each in key order), so a run repeats its bits for a
  * given thread count. */
 #define SUPER_ROWS (8 * BWD_ROWS)
-#define KEY_CHUNK 256  /* a multiple of KB */
 void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, const float *kb,
                    const float *vb, const float *k, const float *dout, float *dq_out, float *dk_out,
                    float *dv_out, double *d_ts, double *d_pos) {
