@@ -145,6 +145,21 @@ static int64_t search_sorted(const int64_t *ts, int64_t lo, int64_t hi, int64_t 
   return lo;
 }
 
+/* search_sorted's answer found from lo upwards in steps of 1, 2, 4, ... and then by
+ * bisection of the last step: O(log d) for an answer d past lo, so the many short runs of
+ * buckets near a row's diagonal cost a compare or two each instead of a search of the
+ * whole row. */
+static int64_t gallop(const int64_t *ts, int64_t lo, int64_t hi, int64_t x, int strict) {
+  int64_t a = lo, d = 1;  /* every j < a fails the test */
+  while (a + d - 1 < hi) {
+    const int64_t j = a + d - 1;
+    if (strict ? ts[j] > x : ts[j] >= x) return search_sorted(ts, a, j + 1, x, strict);
+    a = j + 1;
+    d <<= 1;
+  }
+  return search_sorted(ts, a, hi, x, strict);
+}
+
 /* Buckets of |ti - ts[j]| over a sorted ts[0, m) as runs: run k is [start[k], start[k + 1])
  * with bucket[k]; returns the number of runs (start[runs] = m). |ti - ts[j]| falls, then
  * rises, so each run's end is a binary search for the next threshold instead of a logarithm
@@ -152,18 +167,19 @@ static int64_t search_sorted(const int64_t *ts, int64_t lo, int64_t hi, int64_t 
 static int64_t time_runs(const tile_args *t, int64_t ti, const int64_t *ts, int64_t m, int64_t *start,
                          int32_t *bucket) {
   int64_t runs = 0;
-  const int64_t p = search_sorted(ts, 0, m, ti, 1);  /* ts[j] <= ti before p, > ti from p */
+  /* ts[j] <= ti before p, > ti from p; a causal row's keys all come before its query */
+  const int64_t p = m == 0 || ts[m - 1] <= ti ? m : search_sorted(ts, 0, m, ti, 1);
   for (int64_t j = 0; j < p;) {  /* dt = ti - ts[j] >= 0, non-increasing */
     const int b = time_bucket(t, ti, ts[j]);
     /* the run ends where dt < thr[b] (thr[b] <= dt here, so ti - thr[b] cannot overflow) */
-    const int64_t e = b == 0 ? p : search_sorted(ts, j + 1, p, ti - t->thr[b], 1);
+    const int64_t e = b == 0 ? p : gallop(ts, j + 1, p, ti - t->thr[b], 1);
     start[runs] = j; bucket[runs++] = b;
     j = e;
   }
   for (int64_t j = p; j < m;) {  /* dt = ts[j] - ti > 0, non-decreasing */
     const int b = time_bucket(t, ti, ts[j]);
     const int64_t next = t->thr[b + 1];  /* INT64_MAX past the last reachable bucket */
-    const int64_t e = (b == t->NB || (ti > 0 && next > INT64_MAX - ti)) ? m : search_sorted(ts, j + 1, m, ti + next, 0);
+    const int64_t e = (b == t->NB || (ti > 0 && next > INT64_MAX - ti)) ? m : gallop(ts, j + 1, m, ti + next, 0);
     start[runs] = j; bucket[runs++] = b;
     j = e;
   }
