@@ -1,8 +1,8 @@
 """Builds the native kernels at install time (`pip install -e .` or `pip install .`).
 
-dense/csrc/hstu_tile.c (C + OpenMP) and sparse/csrc/store.c (C) have no Python or torch
-headers; each is built as a shared library beside its package and loaded through ctypes
-(the HSTU kernels twice on x86: for AVX2 and for AVX-512). The instruction set is
+dense/csrc/hstu_tile.c with topk_scan.c (C + OpenMP) and sparse/csrc/store.c (C) have no
+Python or torch headers; each is built as a shared library beside its package and loaded
+through ctypes (the dense kernels twice on x86: for AVX2 and for AVX-512). The instruction set is
 chosen here, not with -march=native, so a library built on one machine runs on any CPU of
 the same family that has those features: genrec.dense.fused checks them when it loads.
 Everything else about the project is in pyproject.toml.
@@ -34,17 +34,17 @@ class BuildNative(build_ext):
         return []  # a ctypes library, not a Python module: there is no PyInit_ symbol
 
 
-def hstu_tile(name: str, source: str, isa: list[str]) -> Extension:
+def hstu_tile(name: str, suffix: str, isa: list[str]) -> Extension:
     # -ffast-math only at compile time: linked into a shared library it would also set
     # flush-to-zero for the whole process.
-    return Extension(f"genrec.dense.{name}", sources=[f"dense/csrc/{source}"],
+    return Extension(f"genrec.dense.{name}", sources=[f"dense/csrc/hstu_tile{suffix}.c", f"dense/csrc/topk_scan{suffix}.c"],
                      extra_compile_args=["-O3", "-ffast-math", "-fopenmp", *isa],
                      extra_link_args=["-fopenmp", "-lm"])
 
 
 setup(
-    ext_modules=[hstu_tile("_hstu_tile", "hstu_tile.c", ISA),
-                 *([hstu_tile("_hstu_tile_avx512", "hstu_tile_avx512.c", AVX512)] if X86 else []), Extension(
+    ext_modules=[hstu_tile("_hstu_tile", "", ISA),
+                 *([hstu_tile("_hstu_tile_avx512", "_avx512", AVX512)] if X86 else []), Extension(
         "genrec.sparse._store_kernels", sources=["sparse/csrc/store.c"],
         # The store's kernels reproduce the PyTorch reference bit for bit: no fast-math, and
         # no fused multiply-add contraction (each product and sum rounds on its own).

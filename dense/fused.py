@@ -95,6 +95,9 @@ def library() -> ctypes.CDLL | None:
     lib.isa = name
     lib.hstu_key_block.restype = ctypes.c_int64
     lib.key_block = int(lib.hstu_key_block())
+    lib.scan_top_k.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.hstu_time_index.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p]
     lib.hstu_tile_fwd.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_int]
@@ -199,3 +202,27 @@ def tile_backward(args: TileArgs, s, da, a, ds, d_ts, d_pos) -> None:
     assert s.is_contiguous() and da.is_contiguous() and a.is_contiguous() and ds.is_contiguous()
     library().hstu_tile_bwd(ctypes.byref(args), s.data_ptr(), _bf(s), da.data_ptr(), _bf(da),
                             a.data_ptr(), _bf(a), ds.data_ptr(), _bf(ds), _ptr(d_ts), _ptr(d_pos))
+
+
+def scan_top_k(queries_BD: torch.Tensor, rows_ND: torch.Tensor, scale_N: torch.Tensor | None, k: int,
+               mask_BN: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k inner products of fp32 queries [B, D] against an item index in one native
+    pass (csrc/topk_scan.c): rows int8 [N, D] with a per-row scale [N] (score = scale_n *
+    q . row_n), or fp32 [N, D] with scale None. mask_BN (bool or uint8 [B, N], or None):
+    rows each query may return. -> (scores [B, k], row positions [B, k]), best first, ties
+    to the lower position; a query with fewer than k rows left is padded with -inf / -1."""
+    B, D = queries_BD.shape
+    N = rows_ND.shape[0]
+    assert rows_ND.shape == (N, D) and rows_ND.is_contiguous() and k >= 1
+    assert (scale_N is None) == (rows_ND.dtype == torch.float32) and rows_ND.dtype in (torch.float32, torch.int8)
+    q = queries_BD.detach().float().contiguous()
+    scale = None if scale_N is None else scale_N.float().contiguous()
+    mask = None if mask_BN is None else mask_BN.to(torch.uint8).contiguous()
+    assert mask is None or mask.shape == (B, N)
+    out_s = torch.full((B, k), float("-inf"))
+    out_i = torch.full((B, k), -1, dtype=torch.int64)
+    found = torch.zeros(B, dtype=torch.int64)
+    library().scan_top_k(q.data_ptr(), B, D, rows_ND.data_ptr(), int(scale is not None), _ptr(scale), N,
+                         _ptr(mask), N, k, out_s.data_ptr(), out_i.data_ptr(), found.data_ptr(),
+                         torch.get_num_threads())
+    return out_s, out_i

@@ -46,6 +46,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from genrec.data.config import FeatureSpec
+from genrec.dense import fused
 from genrec.models.ids import sorted_positions
 from genrec.models.config_loader import from_dict
 from genrec.models.serving.ann import ANN_FILE, IVFRetriever, merge_top_k
@@ -74,9 +75,9 @@ class ServingConfig:
     micro_batch: int = 128
     """M-FALCON: candidates per user scored at once against the cached history."""
     retrieval_block_rows: int = 1 << 20
-    """Item-index rows per matmul + top-k block (bounds the score buffer: 4 bytes per row and
-    user of a server batch). One top-k over 1M scores costs about a third of 16 over 64K
-    blocks and their merges."""
+    """Without the native scan (GENREC_DENSE_FUSED=0): item-index rows per matmul + top-k
+    block (bounds the score buffer: 4 bytes per row and user of a server batch). One top-k
+    over 1M scores costs about a third of 16 over 64K blocks and their merges."""
     advertiser_feature: str = "advertiser_id"
     """Item side feature that `allowed_advertisers` filters on."""
     exact_retrieval: bool = False
@@ -177,13 +178,17 @@ class Ranker:
         # pages in the rows it reads). The exact index is scanned whole by every request, so
         # it is prepared in memory, unless the approximate index answers instead: fp16 rows
         # widened once (CPU matmuls are no faster in fp16, and a per-request conversion
-        # would cost more than the matmul), int8 rows packed for FBGEMM's GEMM.
+        # would cost more than the matmul). The native scan (dense/csrc/topk_scan.c) reads
+        # int8 and fp32 rows as they are; without it (GENREC_DENSE_FUSED=0) int8 rows are
+        # packed for FBGEMM's GEMM, a second copy.
         self.item_rows_ND = contents.item_rows_ND
         self._int8_blocks = None
+        self._native_scan = False
         if self.ann is None:
             if self.item_rows_ND.dtype == torch.float16:
                 self.item_rows_ND = self.item_rows_ND.float()
-            if self.item_scale_N is not None:
+            self._native_scan = fused.library() is not None and self.item_rows_ND.is_contiguous()
+            if self.item_scale_N is not None and not self._native_scan:
                 self._int8_blocks = self._pack_int8_index()
         self.side_features = [f for f in self.model.candidate_features if f != features.item]
         max_seq_len = int(m["tower"]["max_seq_len"])
@@ -342,13 +347,26 @@ class Ranker:
 
     def retrieve(self, user_BD: torch.Tensor, k: int, masks: list[dict[str, torch.Tensor]]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 2: exact top-k inner products over the item index, block by block.
-        Returns (scores [B, k'], item-index positions [B, k']); filtered-out items score -inf.
-        An artifact with an approximate index searches that instead (models/serving/ann.py)."""
+        """Step 2: exact top-k inner products over the item index (the native scan, or block
+        by block). Returns (scores [B, k'], item-index positions [B, k']), best first; where
+        filters leave fewer than k' items the rest score -inf. An artifact with an
+        approximate index searches that instead (models/serving/ann.py)."""
         if self.ann is not None:
             return self.ann.search(user_BD, k, masks)
         n = self.item_ids_N.numel()
         B = user_BD.shape[0]
+        if self._native_scan:
+            # One pass over the index per user that keeps only rows above the running k-th
+            # best: no [B, N] score matrix, no top-k over it. Filtered rows never enter.
+            mask = None
+            if any(masks):
+                mask = torch.ones(B, n, dtype=torch.uint8)
+                for b, m in enumerate(masks):
+                    if "allowed_N" in m:
+                        mask[b] = m["allowed_N"]
+                    if "exclude" in m:
+                        mask[b, m["exclude"]] = 0
+            return fused.scan_top_k(user_BD, self.item_rows_ND, self.item_scale_N, min(k, n), mask)
         best_s = user_BD.new_empty((B, 0))
         best_i = torch.empty((B, 0), dtype=torch.int64)
         step = self.cfg.retrieval_block_rows

@@ -8,6 +8,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from genrec.data.batch import Batch
+from genrec.dense import fused
 from genrec.models.serving.artifact import export_artifact
 from genrec.models.serving.bench import build_synthetic_model, synthetic_request
 from genrec.models.serving.ranker import RankRequest, RequestError, ServingConfig, load_artifact
@@ -219,18 +220,67 @@ def test_bad_requests_name_the_field(setup, change, field):
     assert e.value.field == field
 
 
-def test_int8_retrieval_fallback_matches_int8_gemm(setup):
+def _plain_top_k(r, users, k, allowed=None):
+    """The exact top-k in plain PyTorch: dequantized inner products, filtered rows -inf."""
+    rows = r.item_rows_ND.float()
+    scores = users @ rows.T if r.item_scale_N is None else (users @ rows.T) * r.item_scale_N
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores, scores.topk(k, dim=1)
+
+
+@pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch paths")
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_native_retrieval_scan_is_the_exact_top_k(setup, dtype):
+    """The native scan returns the exact top-k of the artifact's rows: each returned score
+    is the row's inner product, best first, no row outside the top k (up to rounding at the
+    boundary), filtered rows never, and -inf / -1 after the last row a filter leaves."""
+    _, feats, rankers = setup
+    r = rankers[dtype]
+    assert r._native_scan  # the install built the scan; no FBGEMM copy of the index is made
+    assert r._int8_blocks is None
+    users = torch.cat([r.encode([r._history(RankRequest(**synthetic_request(NUM_ITEMS, 20, k=20, n=5, seed=s)))])[0]
+                       for s in (9, 10, 11)])
+    g = torch.Generator().manual_seed(0)
+    allowed = torch.rand(3, NUM_ITEMS, generator=g) < 0.3
+    allowed[2] = False
+    allowed[2, [5, 77, 390]] = True  # a filter that leaves 3 rows for k = 50
+    excluded = torch.tensor([0, 1, 2, 399])
+    masks = [{}, {"allowed_N": allowed[1], "exclude": excluded}, {"allowed_N": allowed[2]}]
+    keep = torch.ones(3, NUM_ITEMS, dtype=torch.bool)
+    keep[1] = allowed[1]
+    keep[1, excluded] = False
+    keep[2] = allowed[2]
+    for k in (1, 50, NUM_ITEMS + 5):
+        got_s, got_i = r.retrieve(users, k, masks)
+        want_s, (top_s, _) = _plain_top_k(r, users, min(k, NUM_ITEMS), keep)
+        assert got_s.shape == (3, min(k, NUM_ITEMS))
+        for b in range(3):
+            n_ok = int(keep[b].sum())
+            found = got_i[b][got_s[b] > float("-inf")]
+            assert found.numel() == min(n_ok, got_s.shape[1])
+            assert (got_i[b, found.numel():] == -1).all()
+            assert keep[b, found].all() and found.unique().numel() == found.numel()
+            s = got_s[b, :found.numel()]
+            assert (s[:-1] >= s[1:]).all()
+            torch.testing.assert_close(s, want_s[b, found], rtol=1e-5, atol=1e-5)
+            kth = top_s[b, found.numel() - 1]
+            assert (want_s[b, found] >= kth - 1e-5).all()
+
+
+def test_int8_retrieval_without_the_scan_uses_fbgemm_close_to_exact(setup):
+    """GENREC_DENSE_FUSED=0's path: FBGEMM's int8 GEMM (which also quantizes the user vector,
+    uint8 per tensor) stays close to the exact int8 scores."""
     _, feats, rankers = setup
     r = rankers["int8"]
-    assert r._int8_blocks is not None  # this torch has FBGEMM's int8 GEMM
     user, _ = r.encode([r._history(RankRequest(**synthetic_request(NUM_ITEMS, 20, k=20, n=5, seed=9)))])
-    s_gemm, i_gemm = r.retrieve(user, 20, [{}])
-    blocks, r._int8_blocks = r._int8_blocks, None
+    s_ref, i_ref = r.retrieve(user, 20, [{}])
+    r._native_scan, r._int8_blocks = False, r._pack_int8_index()
     try:
-        s_ref, i_ref = r.retrieve(user, 20, [{}])
+        assert r._int8_blocks is not None  # this torch has FBGEMM's int8 GEMM
+        s_gemm, i_gemm = r.retrieve(user, 20, [{}])
     finally:
-        r._int8_blocks = blocks
-    # The GEMM also quantizes the user vector (uint8 per tensor): close, not identical.
+        r._native_scan, r._int8_blocks = True, None
     assert float((s_gemm - s_ref).abs().max()) < 0.02
     assert len(set(i_gemm[0, :10].tolist()) & set(i_ref[0].tolist())) >= 9
 

@@ -1,0 +1,148 @@
+/* Exact top-k inner-product retrieval over an item index, in one pass: scores a block of
+ * rows at a time into a small buffer and keeps only those above the running k-th best, so
+ * neither the [N] score vector nor a separate top-k over it is ever written (serving's
+ * retrieve step; see genrec.dense.fused.scan_top_k). Rows are int8 with a scale per row
+ * (the int8 artifact: score = scale[n] * (q . rows[n]), the query in fp32) or fp32.
+ * Order: higher score first, then lower row index, so the result is one well-defined list.
+ * Built into the same libraries as hstu_tile.c (setup.py). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+/* q . row for one row of D values, int8 (widened to fp32) or fp32: a vector of partial sums
+ * over the row, added up once at the end. One row is one or a few cache lines: the scan is
+ * bound by reading the index, and a row costs a handful of vector instructions. */
+static inline float dot_i8(const float *q, const int8_t *r, int64_t D) {
+  int64_t c = 0;
+  float tail = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; c + 16 <= D; c += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c),
+                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + c)))), acc);
+  for (; c < D; ++c) tail += q[c] * (float)r[c];
+  return _mm512_reduce_add_ps(acc) + tail;
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; c + 8 <= D; c += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c),
+                          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r + c)))), acc);
+  for (; c < D; ++c) tail += q[c] * (float)r[c];
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h) + tail;
+#else
+  for (; c < D; ++c) tail += q[c] * (float)r[c];
+  return tail;
+#endif
+}
+
+static inline float dot_f32(const float *q, const float *r, int64_t D) {
+  int64_t c = 0;
+  float tail = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; c + 16 <= D; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(r + c), acc);
+  for (; c < D; ++c) tail += q[c] * r[c];
+  return _mm512_reduce_add_ps(acc) + tail;
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; c + 8 <= D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(r + c), acc);
+  for (; c < D; ++c) tail += q[c] * r[c];
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h) + tail;
+#else
+  for (; c < D; ++c) tail += q[c] * r[c];
+  return tail;
+#endif
+}
+
+typedef struct { float s; int64_t i; } scored;
+
+static inline int ahead(scored a, scored b) { return a.s > b.s || (a.s == b.s && a.i < b.i); }
+
+/* Reorders c[0, n) so that its best k (by `ahead`) are c[0, k) and c[k - 1] is the k-th. */
+static void select_best(scored *c, int64_t n, int64_t k) {
+  int64_t lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const scored pivot = c[lo + (hi - lo) / 2];
+    int64_t i = lo, j = hi;
+    while (i <= j) {
+      while (ahead(c[i], pivot)) ++i;
+      while (ahead(pivot, c[j])) --j;
+      if (i <= j) { const scored t = c[i]; c[i] = c[j]; c[j] = t; ++i; --j; }
+    }
+    if (k - 1 <= j) hi = j;
+    else if (k - 1 >= i) lo = i;
+    else break;
+  }
+}
+
+static int by_rank(const void *a, const void *b) {
+  const scored x = *(const scored *)a, y = *(const scored *)b;
+  return ahead(x, y) ? -1 : (ahead(y, x) ? 1 : 0);
+}
+
+#define SCAN_BLOCK 2048
+#define SCAN_AHEAD_BYTES 8192  /* prefetched ahead: the hardware prefetcher alone left the scan at half the memory's speed */
+
+/* For each of B queries q [B, D]: the best k rows n < N with mask[b * mask_stride + n] != 0
+ * (mask NULL: every row) into out_s / out_i [B, k], best first; returns nothing, writes
+ * found[b] = how many (fewer than k only when fewer rows pass the mask). rows: int8 [N, D]
+ * with scale [N] (rows_int8 = 1) or fp32 [N, D] (scale NULL). */
+void scan_top_k(const float *q, int64_t B, int64_t D, const void *rows, int rows_int8, const float *scale,
+                int64_t N, const uint8_t *mask, int64_t mask_stride, int64_t k, float *out_s, int64_t *out_i,
+                int64_t *found, int64_t nthreads) {
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int64_t cap = 4 * k > 4096 ? 4 * k : 4096;
+    scored *cand = malloc(sizeof(scored) * (size_t)(cap + SCAN_BLOCK));
+    float *buf = malloc(sizeof(float) * SCAN_BLOCK);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      const float *qb = q + b * D;
+      const uint8_t *mb = mask ? mask + b * mask_stride : NULL;
+      int64_t nc = 0;
+      int full = 0;   /* once k candidates are kept, only rows scoring above thr can enter */
+      float thr = 0.f;
+      for (int64_t n0 = 0; n0 < N; n0 += SCAN_BLOCK) {
+        const int64_t n1 = n0 + SCAN_BLOCK < N ? n0 + SCAN_BLOCK : N;
+        if (rows_int8) {
+          const int8_t *r8 = (const int8_t *)rows;
+          for (int64_t n = n0; n < n1; ++n) {
+            __builtin_prefetch(r8 + n * D + SCAN_AHEAD_BYTES);  /* past the end is harmless: a hint */
+            buf[n - n0] = dot_i8(qb, r8 + n * D, D) * scale[n];
+          }
+        } else {
+          const float *rf = (const float *)rows;
+          for (int64_t n = n0; n < n1; ++n) {
+            __builtin_prefetch((const char *)(rf + n * D) + SCAN_AHEAD_BYTES);
+            buf[n - n0] = dot_f32(qb, rf + n * D, D);
+          }
+        }
+        for (int64_t n = n0; n < n1; ++n) {
+          const float s = buf[n - n0];
+          if ((!full || s > thr) && (!mb || mb[n])) cand[nc++] = (scored){s, n};
+        }
+        if (nc >= cap) {  /* keep the best k; the k-th best is the new bar */
+          select_best(cand, nc, k);
+          nc = k;
+          thr = cand[k - 1].s;
+          full = 1;
+        }
+      }
+      if (nc > k) select_best(cand, nc, k), nc = k;
+      qsort(cand, (size_t)nc, sizeof(scored), by_rank);
+      for (int64_t j = 0; j < nc; ++j) out_s[b * k + j] = cand[j].s, out_i[b * k + j] = cand[j].i;
+      found[b] = nc;
+    }
+    free(cand); free(buf);
+  }
+}
