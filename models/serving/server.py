@@ -41,7 +41,8 @@ for one parser call, tens of ms, not for the whole request.) A history longer th
 server's `max_history` keeps its most recent events (the response says `history_truncated`);
 `exclude_seen` still filters the items of the whole history sent.
 Concurrent requests are batched dynamically: the batch worker takes what has queued, waiting
-at most `max_wait_ms` for up to `max_batch_size`. CPU threads are bounded: torch uses
+at most `max_wait_ms` for up to `max_batch_size` while other requests are on their way in (a
+lone request on an idle server goes at once). CPU threads are bounded: torch uses
 `threads` intra-op threads, one batch worker thread, and uvicorn's single event loop.
 
 Trust: the manifest's sha256 checksums catch corruption (a truncated copy, a flipped bit),
@@ -57,13 +58,11 @@ import asyncio
 import hmac
 import json
 import os
-import queue
 import sys
-import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, Sequence
+from typing import Annotated, Sequence
 
 import torch
 from fastapi import FastAPI, Request
@@ -71,6 +70,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from genrec.models.serving.batcher import Batcher, Overloaded
 from genrec.models.serving.delta import DeltaConflict, apply_delta
 from genrec.models.serving.ranker import Ranker, RankRequest, RequestError, ServingConfig, load_artifact
 
@@ -180,79 +180,6 @@ class _Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
         self.model = Gauge("genrec_model_info", "Served model (value 1)", ["version", "dtype"], registry=self.registry)
         self.reloads = Counter("genrec_reloads", "Artifact reloads by outcome", ["result"], registry=self.registry)
-
-
-class Overloaded(Exception):
-    """The batch queue is full: the caller should retry later (503)."""
-
-
-class Batcher:
-    """One worker thread that ranks queued requests in dynamic batches."""
-
-    def __init__(self, ranker: Ranker, *, max_batch_size: int, max_wait_ms: float, max_queue: int,
-                 metrics: _Metrics) -> None:
-        self.ranker = ranker
-        self.max_batch_size = max_batch_size
-        self.max_wait_s = max_wait_ms / 1000
-        self.metrics = metrics
-        self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self.thread = threading.Thread(target=self._loop, name="genrec-batcher", daemon=True)
-        self.thread.start()
-
-    async def submit(self, req: RankRequest) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        try:
-            self.queue.put_nowait((req, fut, loop))
-        except queue.Full:
-            raise Overloaded from None
-        return await fut
-
-    def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join(timeout=30)
-
-    def _loop(self) -> None:
-        while True:
-            first = self.queue.get()
-            if first is None:
-                return
-            batch = [first]
-            deadline = time.monotonic() + self.max_wait_s
-            while len(batch) < self.max_batch_size:
-                remaining = deadline - time.monotonic()
-                try:
-                    item = self.queue.get(timeout=remaining) if remaining > 0 else self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self.queue.put(None)  # finish this batch, then stop
-                    break
-                batch.append(item)
-            # Read the model once per batch: a reload swaps `self.ranker` between batches.
-            ranker = self.ranker
-            self.metrics.batch_size.observe(len(batch))
-            try:
-                results = ranker.rank_batch([r for r, _, _ in batch])
-            except Exception:
-                # Isolate the request that failed; the others still get their answers.
-                results = []
-                for r, _, _ in batch:
-                    try:
-                        results.append(ranker.rank_batch([r])[0])
-                    except Exception as e:  # noqa: BLE001 (reported to that request's caller)
-                        results.append(e)
-            for (_, fut, loop), res in zip(batch, results):
-                loop.call_soon_threadsafe(_resolve, fut, res)
-
-
-def _resolve(fut: asyncio.Future, res: Any) -> None:
-    if fut.done():
-        return
-    if isinstance(res, BaseException):
-        fut.set_exception(res)
-    else:
-        fut.set_result(res)
 
 
 # ---------------------------------------------------------------------- the ASGI gate
@@ -442,18 +369,16 @@ def create_app(artifact_dir: str | Path, *, serving_cfg: ServingConfig | None = 
 
     @app.post("/v1/rank", openapi_extra=rank_doc)
     async def rank(request: Request):
-        data = await request.body()
-        ranker = batcher.ranker
         try:
-            if len(data) > PARSE_INLINE_BYTES:
-                req = await asyncio.to_thread(parse_rank_request, data, body_model, ranker)
-            else:
-                req = parse_rank_request(data, body_model, ranker)
-        except RequestError as e:
-            return _error_response(e)
-        try:
+            with batcher.arriving_request():
+                data = await request.body()
+                ranker = batcher.ranker
+                if len(data) > PARSE_INLINE_BYTES:
+                    req = await asyncio.to_thread(parse_rank_request, data, body_model, ranker)
+                else:
+                    req = parse_rank_request(data, body_model, ranker)
             return JSONResponse(await batcher.submit(req))
-        except RequestError as e:  # a reload changed the limits between check and batch
+        except RequestError as e:  # bad input, or a reload changed the limits between check and batch
             return _error_response(e)
         except Overloaded:
             return JSONResponse(BUSY, status_code=503, headers={"Retry-After": RETRY_AFTER_S})

@@ -308,6 +308,28 @@ def test_concurrent_requests_are_batched(server):
     assert count1 - count0 < 18  # ... and some shared a batch
 
 
+def test_a_lone_request_does_not_wait_for_a_batch(artifacts):
+    """The batch worker waits up to max_wait_ms only while other requests are on their way
+    in: with a 2 s wait, one request at a time still answers at once, and a burst of
+    concurrent ones still shares batches."""
+    app = create_app(artifacts["v1"], max_wait_ms=2000, serving_cfg=ServingConfig(max_k=40))
+    req = synthetic_request(NUM_ITEMS, 50, k=40, n=5, seed=12)
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+        c.post("/v1/rank", json=req).raise_for_status()  # warm-up
+        for _ in range(3):
+            t0 = time.perf_counter()
+            c.post("/v1/rank", json=req).raise_for_status()
+            assert time.perf_counter() - t0 < 1.0
+        sum0, count0 = _batch_totals(c)
+        threads = [threading.Thread(target=lambda: httpx.post(f"{url}/v1/rank", json=req, timeout=60)) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        sum1, count1 = _batch_totals(c)
+    assert sum1 - sum0 == 6 and count1 - count0 < 6
+
+
 def test_k_and_n_default_to_the_server_limits(server):
     body = {key: v for key, v in BASE.items() if key not in ("k", "n")}
     with httpx.Client(base_url=server["url"], timeout=30) as c:

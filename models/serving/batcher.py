@@ -1,0 +1,97 @@
+"""The server's dynamic batcher: one worker thread ranks queued requests in batches (see
+models/serving/server.py for how requests reach it)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from typing import Any
+
+from genrec.models.serving.ranker import Ranker, RankRequest
+
+
+class Overloaded(Exception):
+    """The batch queue is full: the caller should retry later (503)."""
+
+
+class Batcher:
+    """One worker thread that ranks queued requests in dynamic batches; `metrics.batch_size`
+    (a prometheus Histogram) observes each batch's size."""
+
+    def __init__(self, ranker: Ranker, *, max_batch_size: int, max_wait_ms: float, max_queue: int,
+                 metrics: Any) -> None:
+        self.ranker = ranker
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_ms / 1000
+        self.metrics = metrics
+        self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.arriving = 0  # requests being read or parsed (counted on the event loop)
+        self.thread = threading.Thread(target=self._loop, name="genrec-batcher", daemon=True)
+        self.thread.start()
+
+    @contextlib.contextmanager
+    def arriving_request(self):
+        """Counts a request while it is read and parsed: the worker waits for it."""
+        self.arriving += 1
+        try:
+            yield
+        finally:
+            self.arriving -= 1
+
+    async def submit(self, req: RankRequest) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        try:
+            self.queue.put_nowait((req, fut, loop))
+        except queue.Full:
+            raise Overloaded from None
+        return await fut
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            first = self.queue.get()
+            if first is None:
+                return
+            batch = [first]
+            deadline = time.monotonic() + self.max_wait_s
+            while len(batch) < self.max_batch_size:
+                remaining = deadline - time.monotonic() if self.arriving > 0 else 0
+                try:
+                    item = self.queue.get(timeout=remaining) if remaining > 0 else self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self.queue.put(None)  # finish this batch, then stop
+                    break
+                batch.append(item)
+            # Read the model once per batch: a reload swaps `self.ranker` between batches.
+            ranker = self.ranker
+            self.metrics.batch_size.observe(len(batch))
+            try:
+                results = ranker.rank_batch([r for r, _, _ in batch])
+            except Exception:
+                # Isolate the request that failed; the others still get their answers.
+                results = []
+                for r, _, _ in batch:
+                    try:
+                        results.append(ranker.rank_batch([r])[0])
+                    except Exception as e:  # noqa: BLE001 (reported to that request's caller)
+                        results.append(e)
+            for (_, fut, loop), res in zip(batch, results):
+                loop.call_soon_threadsafe(_resolve, fut, res)
+
+
+def _resolve(fut: asyncio.Future, res: Any) -> None:
+    if fut.done():
+        return
+    if isinstance(res, BaseException):
+        fut.set_exception(res)
+    else:
+        fut.set_result(res)
