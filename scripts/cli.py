@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--max-n", int, "largest N (returned items) a request may ask for (default 1000)"),
         ("--max-history", int, "history events used per request (default: the tower's max_seq_len - 1)"),
         ("--max-request-events", int, "events a request may send; more is a 422, not a truncation (default 100000)"),
-        ("--micro-batch", int, "candidates scored at once against a cached history (default 128)"),
+        ("--micro-batch", int, "candidates scored at once against a cached history (default 512)"),
         ("--retrieval-block-rows", int, "item-index rows per retrieval block (default 65536)"),
         ("--advertiser-feature", str, "item feature that allowed_advertisers filters on (default advertiser_id)"),
         ("--ann-nprobe", int, "lists an approximate index scans per query (default: calibrated at export)"),
