@@ -90,7 +90,8 @@ def quantize_rows(values_ND: torch.Tensor, dtype: Dtype) -> tuple[torch.Tensor, 
 
 def quantize_rows_symmetric(values_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 row-wise symmetric: rows = q * scale[:, None], q in [-127, 127]. Used for the item
-    index, whose inner products then run as an int8 GEMM (zero point 0 on the weight side)."""
+    index, scanned as it is by the native retrieval scan (or, without it, packed for an int8
+    GEMM: zero point 0 on the weight side)."""
     values_ND = values_ND.detach().float()
     scale_N = (values_ND.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
     q_ND = torch.round(values_ND / scale_N[:, None]).clamp(-127, 127).to(torch.int8)

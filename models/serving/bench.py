@@ -6,7 +6,7 @@ What it measures (all side by side in one run, since the machine is shared and n
   loopback (history 1,024 events, 1M-item corpus, K=500, N=50; quick: 50k items, 256 events,
   K=200). Latency is single stream (one request in flight); QPS uses several client threads so
   the server's dynamic batching has something to batch. The headline keys serve the int8
-  artifact (what the README exports: its item index is scanned with FBGEMM's int8 GEMM);
+  artifact (what the README exports: its item index is scanned by the native int8 scan);
   fp32_p50_ms, fp32_p99_ms and fp32_qps the fp32 artifact of the same model.
 - M-FALCON (history encoded once, candidates scored in micro-batches against the KV cache) vs
   scoring each candidate by a full forward over history + candidate, in process.
