@@ -13,53 +13,38 @@
 #include <immintrin.h>
 #endif
 
-/* q . row for one row of D values, int8 (widened to fp32) or fp32: a vector of partial sums
- * over the row, added up once at the end. One row is one or a few cache lines: the scan is
- * bound by reading the index, and a row costs a handful of vector instructions. */
-static inline float dot_i8(const float *q, const int8_t *r, int64_t D) {
+/* q . row for one row of D values, int8 (i8 = 1: widened to fp32) or fp32: a vector of
+ * partial sums over the row, added up once at the end. One row is one or a few cache
+ * lines: the scan is bound by reading the index, and a row costs a handful of vector
+ * instructions. */
+static inline __attribute__((always_inline)) float dot_row(const float *q, const void *row, int64_t D, const int i8) {
+  const int8_t *r8 = (const int8_t *)row;
+  const float *rf = (const float *)row;
   int64_t c = 0;
   float tail = 0.f;
 #if defined(__AVX512F__)
   __m512 acc = _mm512_setzero_ps();
-  for (; c + 16 <= D; c += 16)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c),
-                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + c)))), acc);
-  for (; c < D; ++c) tail += q[c] * (float)r[c];
+  for (; c + 16 <= D; c += 16) {
+    const __m512 x = i8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r8 + c))))
+                        : _mm512_loadu_ps(rf + c);
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), x, acc);
+  }
+  for (; c < D; ++c) tail += q[c] * (i8 ? (float)r8[c] : rf[c]);
   return _mm512_reduce_add_ps(acc) + tail;
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 acc = _mm256_setzero_ps();
-  for (; c + 8 <= D; c += 8)
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c),
-                          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r + c)))), acc);
-  for (; c < D; ++c) tail += q[c] * (float)r[c];
+  for (; c + 8 <= D; c += 8) {
+    const __m256 x = i8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r8 + c))))
+                        : _mm256_loadu_ps(rf + c);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), x, acc);
+  }
+  for (; c < D; ++c) tail += q[c] * (i8 ? (float)r8[c] : rf[c]);
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
   return _mm_cvtss_f32(h) + tail;
 #else
-  for (; c < D; ++c) tail += q[c] * (float)r[c];
-  return tail;
-#endif
-}
-
-static inline float dot_f32(const float *q, const float *r, int64_t D) {
-  int64_t c = 0;
-  float tail = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; c + 16 <= D; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(r + c), acc);
-  for (; c < D; ++c) tail += q[c] * r[c];
-  return _mm512_reduce_add_ps(acc) + tail;
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc = _mm256_setzero_ps();
-  for (; c + 8 <= D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(r + c), acc);
-  for (; c < D; ++c) tail += q[c] * r[c];
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-  return _mm_cvtss_f32(h) + tail;
-#else
-  for (; c < D; ++c) tail += q[c] * r[c];
+  for (; c < D; ++c) tail += q[c] * (i8 ? (float)r8[c] : rf[c]);
   return tail;
 #endif
 }
@@ -118,13 +103,13 @@ void scan_top_k(const float *q, int64_t B, int64_t D, const void *rows, int rows
           const int8_t *r8 = (const int8_t *)rows;
           for (int64_t n = n0; n < n1; ++n) {
             __builtin_prefetch(r8 + n * D + SCAN_AHEAD_BYTES);  /* past the end is harmless: a hint */
-            buf[n - n0] = dot_i8(qb, r8 + n * D, D) * scale[n];
+            buf[n - n0] = dot_row(qb, r8 + n * D, D, 1) * scale[n];
           }
         } else {
           const float *rf = (const float *)rows;
           for (int64_t n = n0; n < n1; ++n) {
             __builtin_prefetch((const char *)(rf + n * D) + SCAN_AHEAD_BYTES);
-            buf[n - n0] = dot_f32(qb, rf + n * D, D);
+            buf[n - n0] = dot_row(qb, rf + n * D, D, 0);
           }
         }
         for (int64_t n = n0; n < n1; ++n) {

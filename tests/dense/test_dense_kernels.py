@@ -337,3 +337,40 @@ def test_the_avx512_and_avx2_builds_agree(fresh_loader):
         scale = want.abs().max().item()
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * scale)
         torch.testing.assert_close(a.double(), want, rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
+@pytest.mark.parametrize("dim", [19, 64])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float32])
+def test_scan_top_k_is_the_exact_top_k(dim, dtype):
+    """The native retrieval scan against a plain sort: scores, order (higher first, ties to
+    the lower row), a mask per query, k beyond what a mask leaves (-inf / -1 padding), rows
+    whose width is not a multiple of the vector, and more rows than its candidate buffer."""
+    g = torch.Generator().manual_seed(dim)
+    N = 20_000
+    rows = torch.randint(-127, 128, (N, dim), generator=g, dtype=torch.int8)
+    rows[7_000:7_010] = rows[123]  # ties: equal scores, ordered by row
+    scale = (torch.rand(N, generator=g) + 0.5) * 0.01
+    scale[123] = scale[7_000:7_010] = 1.0  # far above the rest: the query q[2] ranks them first
+    if dtype == torch.float32:
+        rows, scale = rows.float() * scale[:, None], None
+    q = torch.randn(3, dim, generator=g)
+    q[2] = rows[123].float() if scale is None else rows[123].float() * scale[123]
+    mask = torch.ones(3, N, dtype=torch.bool)
+    mask[1] = torch.rand(N, generator=g) < 0.001
+    exact = q @ rows.float().T if scale is None else (q @ rows.float().T) * scale
+    for k in (1, 37, 5_000):
+        got_s, got_i = fused.scan_top_k(q, rows, scale, k, mask)
+        for b in range(3):
+            s = exact[b].masked_fill(~mask[b], float("-inf"))
+            order = sorted(range(N), key=lambda n: (-float(s[n]), n))[:k]
+            n_ok = min(k, int(mask[b].sum()))
+            want = torch.tensor(order[:n_ok])
+            near_tie = (s[want[-1]] - s).abs() < 1e-4 * s[want[0]].abs()
+            assert (got_i[b, n_ok:] == -1).all() and torch.isinf(got_s[b, n_ok:]).all()
+            assert set(got_i[b, :n_ok].tolist()) - set(want.tolist()) <= set(torch.nonzero(near_tie).flatten().tolist())
+            torch.testing.assert_close(got_s[b, :n_ok], s[got_i[b, :n_ok]], rtol=1e-5, atol=1e-5)
+            assert (got_s[b, :n_ok - 1] >= got_s[b, 1:n_ok]).all()
+        top = got_i[2, :11].tolist()  # the query equals row 123: row 123 and its ten copies lead, in row order
+        if k >= 11:
+            assert top == sorted(top) and set(top) == {123, *range(7_000, 7_010)}
