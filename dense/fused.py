@@ -1,5 +1,6 @@
-"""ctypes loader for csrc/hstu_tile.c: the one-pass fp32 HSTU attention kernels and the
-fused elementwise part of the chunked (bf16) HSTU tile.
+"""ctypes loader for csrc/hstu_tile.c and csrc/topk_scan.c: the one-pass fp32 HSTU attention
+kernels, the fused elementwise part of the chunked (bf16) HSTU tile, and the exact top-k
+retrieval scan serving runs over its item index (`scan_top_k`).
 
 The library is built by the install command (setup.py: `pip install -e .`) beside this
 file, once per instruction set in `BUILDS` (on x86: `_hstu_tile_avx512*.so` and
