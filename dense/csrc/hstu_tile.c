@@ -21,7 +21,7 @@
 #include <immintrin.h>
 #endif
 
-/* One vector of VW floats: 16 with AVX-512 (the library built with GENREC_AVX512, chosen at
+/* One vector of VW floats: 16 with AVX-512 (the build from hstu_tile_avx512.c, chosen at
  * load time on CPUs that have it), 8 with AVX2 + FMA. Keys are laid out in blocks of KB = VW
  * (fused.key_blocks asks hstu_key_block() for it), so KB scores are one vector of fused
  * multiply-adds over contiguous memory. VMASK(n) enables the first n < VW lanes of a tail. */
@@ -218,6 +218,15 @@ static row_plan plan_alloc(const tile_args *t, int64_t K) {
 }
 static void plan_free(row_plan *rp) { free(rp->start); free(rp->bucket); free(rp->trow); free(rp->rrow); }
 
+/* Keys j in [j0, j1) of a row whose positions are 0, 1, 2, ...: r = pi - j clamped to
+ * [0, P - 1] is P - 1 for j < lo, pi - j for lo <= j < hi and 0 from hi on. */
+static inline void linear_span(int64_t pi, int64_t P, int64_t j0, int64_t j1, int64_t *lo, int64_t *hi) {
+  int64_t a = pi - P + 1, b = pi + 1;
+  a = a < j0 ? j0 : (a > j1 ? j1 : a);
+  b = b < a ? a : (b > j1 ? j1 : b);
+  *lo = a, *hi = b;
+}
+
 /* brow[j - j0] = rab of (query i, key j) for the visible keys j in [j0, j1) of row g, shared
  * by the heads. Where the keys' positions are 0, 1, 2, ... (lin_n: how many of row g's are)
  * the position bias is a reversed slice of pos_w; where its times are sorted (sorted_n) the
@@ -231,11 +240,10 @@ static void visible_bias(const tile_args *t, int64_t g, int64_t i, int64_t j0, i
   rp->pi = t->pos[g * N + i];
   if (!t->pos_w) {
     for (int64_t j = 0; j < n; ++j) brow[j] = 0.f;
-  } else if (rp->linear) {  /* r = pi - j, clamped to [0, P - 1]: P - 1 before lo, 0 from hi */
+  } else if (rp->linear) {
     const int64_t pi = rp->pi;
-    int64_t lo = pi - P + 1, hi = pi + 1;
-    lo = lo < j0 ? j0 : (lo > j1 ? j1 : lo);
-    hi = hi < lo ? lo : (hi > j1 ? j1 : hi);
+    int64_t lo, hi;
+    linear_span(pi, P, j0, j1, &lo, &hi);
     for (int64_t j = j0; j < lo; ++j) brow[j - j0] = t->pos_w[P - 1];
     for (int64_t j = lo; j < hi; ++j) brow[j - j0] = t->pos_w[pi - j];
     for (int64_t j = hi; j < j1; ++j) brow[j - j0] = t->pos_w[0];
@@ -281,9 +289,8 @@ static void visible_bias_grad(const tile_args *t, const row_plan *rp, const floa
   if (!lpos) return;
   if (rp->linear) {
     const int64_t pi = rp->pi;
-    int64_t lo = pi - P + 1, hi = pi + 1;
-    lo = lo < j0 ? j0 : (lo > j1 ? j1 : lo);
-    hi = hi < lo ? lo : (hi > j1 ? j1 : hi);
+    int64_t lo, hi;
+    linear_span(pi, P, j0, j1, &lo, &hi);
     double far = 0.0, ahead = 0.0;
     for (int64_t j = j0; j < lo; ++j) far += drow[j - j0];
     for (int64_t j = lo; j < hi; ++j) lpos[pi - j] += drow[j - j0];
@@ -505,7 +512,7 @@ static inline __attribute__((always_inline)) void scores_rows_r(const float *kb,
                                                                 int64_t dq, const int R) {
   int64_t jb = 0;
 #if VEC
-  for (; jb + 2 * KB <= nb; jb += 2 * KB) {  /* two key blocks x R rows: up to 8 independent FMA chains */
+  for (; jb + 2 * KB <= nb; jb += 2 * KB) {  /* two key blocks x R rows: 2 R independent FMA chains */
     const float *k0 = kb + jb * dq, *k1 = k0 + KB * dq;
     vf a[ROWS], e[ROWS];
     for (int r = 0; r < R; ++r) a[r] = VLOAD(b + r * bs + jb), e[r] = VLOAD(b + r * bs + jb + KB);

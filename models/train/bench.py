@@ -37,8 +37,8 @@ ROUNDS = {True: 2, False: 3}
 ML100K_CONFIG = REPO / "configs" / "ml100k.toml"
 ML100K = Path(os.environ.get("GENREC_ML100K_UDATA", REPO.parent / "shared" / "data" / "ml-100k" / "u.data"))
 """MovieLens-100K's u.data, for the second scaling figure (its config's batch of 128 rows of
-up to 200 events against the whole corpus: a step about nine times the demo's, 318 against
-34 ms in the full record)."""
+up to 200 events against the whole corpus: a step about ten times the demo's, 258 against
+27 ms in the full record)."""
 ML100K_EPOCHS = {True: 2, False: 4}
 """Whole epochs timed per run on ML-100K, by `quick`: its 943 users' histories run from 20
 to 200 events, so runs over different batches would compare different work."""
