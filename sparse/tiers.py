@@ -36,6 +36,7 @@ import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from . import native
@@ -49,6 +50,7 @@ SLAB_FILE = re.compile(r"tier(\.g\d+)?\.(rows|ids|meta)\.\d{5}\.slab")
 
 
 _HUGE_PAGE = 1 << 21
+_NUMPY = {torch.float32: np.float32, torch.int64: np.int64}  # the tiers' dtypes
 _MADV_HUGEPAGE = 14
 SSD_IO_THREADS = 8
 """Threads that copy a large batch of SSD-tier rows: reads in flight at once. Measured on
@@ -157,7 +159,13 @@ class _SlabArray:
         self._addrs = torch.zeros(0, dtype=torch.int64)
 
     def add_slab(self) -> None:
-        if self.path_prefix is None:
+        if self.path_prefix is None and self.fill == 0 and self.device.type == "cpu" and self.dtype in _NUMPY:
+            # calloc'd (numpy's zeros): the kernel zeroes each page at its first touch, so a
+            # tier takes memory and time for the rows it has held, not for its capacity. The
+            # demo's 1M-row host tiers took 15 s to fill at start with torch.zeros.
+            slab = torch.from_numpy(np.zeros((self.slab_rows, self.width), dtype=_NUMPY[self.dtype]))
+            _advise_huge_pages(slab)
+        elif self.path_prefix is None:
             slab = torch.empty((self.slab_rows, self.width), dtype=self.dtype, device=self.device)
             _advise_huge_pages(slab)
             slab.fill_(self.fill)
