@@ -36,7 +36,6 @@ import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 from . import native
@@ -50,7 +49,6 @@ SLAB_FILE = re.compile(r"tier(\.g\d+)?\.(rows|ids|meta)\.\d{5}\.slab")
 
 
 _HUGE_PAGE = 1 << 21
-_NUMPY = {torch.float32: np.float32, torch.int64: np.int64}  # the tiers' dtypes
 _MADV_HUGEPAGE = 14
 SSD_IO_THREADS = 8
 """Threads that copy a large batch of SSD-tier rows: reads in flight at once. Measured on
@@ -159,11 +157,14 @@ class _SlabArray:
         self._addrs = torch.zeros(0, dtype=torch.int64)
 
     def add_slab(self) -> None:
-        if self.path_prefix is None and self.fill == 0 and self.device.type == "cpu" and self.dtype in _NUMPY:
-            # calloc'd (numpy's zeros): the kernel zeroes each page at its first touch, so a
-            # tier takes memory and time for the rows it has held, not for its capacity. The
-            # demo's 1M-row host tiers took 15 s to fill at start with torch.zeros.
-            slab = torch.from_numpy(np.zeros((self.slab_rows, self.width), dtype=_NUMPY[self.dtype]))
+        if self.path_prefix is None and self.fill == 0 and self.device.type == "cpu":
+            # An anonymous mapping of its own: the kernel zeroes each page at its first touch,
+            # so a tier takes memory and time for the rows it has held, not for its capacity.
+            # (The demo's 1M-row host tiers took 15 s to fill at start; calloc would hand
+            # back, and clear, heap memory that earlier tensors freed.)
+            nbytes = self.slab_rows * self.width * self.dtype.itemsize
+            mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            slab = torch.frombuffer(mapping, dtype=self.dtype).view(self.slab_rows, self.width)
             _advise_huge_pages(slab)
         elif self.path_prefix is None:
             slab = torch.empty((self.slab_rows, self.width), dtype=self.dtype, device=self.device)

@@ -306,3 +306,18 @@ def test_train_end_to_end_on_two_ranks(prepared, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 7))
     assert any("valid/hr@10" in r for r in records)
+
+
+def test_deterministic_mode_keeps_new_tensors_unfilled():
+    """train.deterministic turns on torch's deterministic kernels but not its NaN fill of
+    every new tensor (about 1,000 fills, a tenth of a demo step)."""
+    from genrec.models.train.trainer import seed_everything
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    try:
+        seed_everything(0, True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.utils.deterministic.fill_uninitialized_memory
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = before[1]
