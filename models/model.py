@@ -29,6 +29,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from genrec.data.batch import Batch
 from genrec.data.config import FeatureSpec
+from genrec.models.corpus_softmax import LogitsWorkspace, corpus_cross_entropy
 from genrec.models.ids import jagged_ranges, sorted_positions
 
 
@@ -206,6 +207,7 @@ class GenerativeRecommender(nn.Module):
                 nn.Linear(head_in, cfg.ranking_hidden_dim), nn.SiLU(), nn.Linear(cfg.ranking_hidden_dim, len(cfg.ranking_tasks))
             )
         self.register_buffer("item_corpus", torch.zeros(0, dtype=torch.int64), persistent=False)
+        self._logits_workspace = LogitsWorkspace()  # the fused full-softmax loss's reused logits
         self.item_log_q: torch.Tensor | None = None
 
     def set_item_corpus(self, item_ids: torch.Tensor, counts: torch.Tensor | None = None) -> None:
@@ -356,9 +358,14 @@ class GenerativeRecommender(nn.Module):
             if bool(known.all()):
                 # 1 / temperature scales the queries, not the [queries, corpus] logits: the
                 # division over the logits and its backward were 7% of a Beauty step.
-                logits = (query * (1.0 / cfg.temperature)) @ vec(neg_rows).T
+                scaled, corpus = query * (1.0 / cfg.temperature), vec(neg_rows)
+                p_idx = seen_pos = None
                 if cfg.mask_seen:
                     p_idx, seen_pos = _seen_before(item_ids_T, offsets_B1, src, target_ids, self.item_corpus.to(device))
+                if scaled.device.type == "cpu" and not torch.is_autocast_enabled("cpu"):
+                    return corpus_cross_entropy(scaled, corpus, target_pos, p_idx, seen_pos, self._logits_workspace)
+                logits = scaled @ corpus.T
+                if p_idx is not None:
                     logits = logits.index_put((p_idx, seen_pos), logits.new_tensor(float("-inf")))
                 return F.cross_entropy(logits, target_pos)
         positive = vec(item_rows_TD[tgt])
