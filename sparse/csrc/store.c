@@ -405,6 +405,15 @@ void grad_accumulate(const int64_t *inv, int64_t n, const float *grad, int64_t D
 
 /* ------------------------------------------------------------------------- optimizer */
 
+/* n floats on a cache-line boundary (free() releases them). malloc aligns to 16 bytes, so
+ * the 32-byte vectors of the loops below would straddle cache lines in half the processes:
+ * apply_rows measured 0.18 ms or 0.31 ms for the same 6.8K rows, by where malloc put its
+ * scratch. */
+static float *alloc_floats(int64_t n) {
+    size_t bytes = ((size_t)n * sizeof(float) + 63) & ~(size_t)63; /* aligned_alloc wants a multiple */
+    return (float *)aligned_alloc(64, bytes);
+}
+
 enum { OPT_ROWWISE_ADAGRAD = 0, OPT_SGD = 1 };
 
 /* sq[0] after sq[d] = sq[d] + sq[d + h] for h = P/2, P/4, .., 1 (P a power of two): the
@@ -444,7 +453,7 @@ int64_t apply_rows(const int64_t *tvd, const int64_t *loc, int64_t U, const floa
     Tiers tv = {tvd};
     int64_t D = tv.d[16], P = 1;
     while (P < D) P <<= 1;
-    float *g = (float *)malloc((size_t)(D + P) * sizeof(float));
+    float *g = alloc_floats(D + P);
     if (!g || (opt != OPT_ROWWISE_ADAGRAD && opt != OPT_SGD)) {
         free(g);
         return -1;
@@ -482,7 +491,7 @@ int64_t apply_rows(const int64_t *tvd, const int64_t *loc, int64_t U, const floa
 int64_t bwd_apply(const int64_t *tvd, const int64_t *inv, int64_t n, const float *grad, const int64_t *loc,
                   int64_t U, int64_t opt, float lr, float eps, float wd, int64_t set_update, int64_t now) {
     int64_t D = tvd[16];
-    float *acc = (float *)malloc((size_t)(U > 0 ? U : 1) * (size_t)D * sizeof(float));
+    float *acc = alloc_floats((U > 0 ? U : 1) * D);
     if (!acc) return -1;
     grad_accumulate(inv, n, grad, D, acc);
     int64_t r = apply_rows(tvd, loc, U, acc, opt, lr, eps, wd, set_update, now);
