@@ -189,7 +189,9 @@ def conditions(name: str, record: dict | None) -> str:
     threads = next((record[k] for k in ("torch_threads", "threads", "threads_per_rank")
                     if isinstance(record.get(k), int)), (c.get("threads") or {}).get("torch"))
     took = f", {c['seconds']:.0f} s" if isinstance(c.get("seconds"), (int, float)) else ""
-    return f"`{name}`: commit {commit}, {load}, {threads} thread(s){took}"
+    # Records come from whichever machine took them: figures of two CPUs are not comparable.
+    cpu = (c.get("cpu") or {}).get("model")
+    return f"`{name}`: {cpu + ', ' if cpu else ''}commit {commit}, {load}, {threads} thread(s){took}"
 
 
 def render_table(name: str, records: dict[str, dict]) -> str:
