@@ -137,10 +137,11 @@ class ServingTable:
         """(row index clamped into range, found mask) of each id."""
         return sorted_positions(self.ids_N, ids)
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """float32 [len(ids), D]; ids never seen in training read the default row (zeros)."""
+    def lookup(self, ids: torch.Tensor, at: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """float32 [len(ids), D]; ids never seen in training read the default row (zeros).
+        `at`: the ids' `positions`, where the caller already has them."""
         ids = ids.long()
-        pos, found = self.positions(ids)
+        pos, found = self.positions(ids) if at is None else at
         sb = None if self.scale_bias_N2 is None else self.scale_bias_N2[pos]
         rows = dequantize_rows(self.rows_ND[pos], sb) * found.unsqueeze(1)
         if self.patch is not None:

@@ -320,3 +320,25 @@ def test_request_time_is_the_query_time_of_the_time_bias(tmp_path):
         scores[when] = got
     first, later = scores.values()
     assert first != later  # the request time reached the tower
+
+
+def test_item_rows_through_the_index_map_equal_a_search_of_the_item_table(tmp_path):
+    """History and candidate rows read through the index -> item-table map (found at load)
+    equal a search of the table, also for history items the index lacks: in the table only,
+    or in neither (the default row)."""
+    model, item_ids, feats = build_synthetic_model(num_items=NUM_ITEMS, dim=16, max_seq_len=128, seed=5)
+    keep = item_ids[::2]  # the index holds half of the table's items
+    art = export_artifact(model, {}, tmp_path / "a", dtype="fp32", item_ids=keep,
+                          item_features={f: v[::2] for f, v in feats.items()}, version="v", export_program=False)
+    ranker = load_artifact(art, ServingConfig(max_k=60, micro_batch=16))
+    req = synthetic_request(NUM_ITEMS, 50, k=20, n=20, seed=2, item_features=feats)
+    req["item_ids"][:3] = [1, 3, NUM_ITEMS + 7]
+    hist = ranker._history(RankRequest(**req))
+    cand = [torch.arange(0, keep.numel(), 3)]
+    mapped = ranker.history_tokens([hist])[0], ranker.candidate_tokens(cand)
+    ranker._item_table_at, hist["item_at"] = None, None  # every lookup searches the table
+    searched = ranker.history_tokens([hist])[0], ranker.candidate_tokens(cand)
+    assert torch.equal(mapped[0], searched[0]) and torch.equal(mapped[1], searched[1])
+    # The items the index lacks read their own rows: the table's for 1 and 3, none for the third.
+    rows = ranker.table_of["item_id"].lookup(torch.tensor([1, 3, NUM_ITEMS + 7]))
+    assert bool(rows[:2].abs().sum(1).gt(0).all()) and not bool(rows[2].any())
