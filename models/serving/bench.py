@@ -5,7 +5,9 @@ What it measures (all side by side in one run, since the machine is shared and n
 - p50 / p99 latency and QPS of POST /v1/rank against a real server in a second process on
   loopback (history 1,024 events, 1M-item corpus, K=500, N=50; quick: 50k items, 256 events,
   K=200). Latency is single stream (one request in flight); QPS uses several client threads so
-  the server's dynamic batching has something to batch. The headline keys serve the int8
+  the server's dynamic batching has something to batch. Each is the median of HTTP_ROUNDS
+  rounds against the same server (`*_spread`: median / min / max), since one round's p99 is
+  its second-slowest request of 200 and moved by 1-2 ms between runs. The headline keys serve the int8
   artifact (what the README exports: its item index is scanned by the native int8 scan);
   fp32_p50_ms, fp32_p99_ms and fp32_qps the fp32 artifact of the same model.
 - M-FALCON (history encoded once, candidates scored in micro-batches against the KV cache) vs
@@ -200,6 +202,9 @@ def _time_calls(fn, n: int, budget_s: float) -> list[float]:
             break
     return times
 
+
+HTTP_ROUNDS = 3
+"""Rounds of the single-stream latency and of the QPS run, per artifact."""
 
 ANN_K = 500
 """K of the approximate-index figures, quick and full (the issue's recall@500)."""
@@ -421,10 +426,12 @@ def _over_http(artifact: Path, requests: list[dict], k: int, history: int, threa
             def one():
                 client.post("/v1/rank", json=requests[i[0] % len(requests)]).raise_for_status()
                 i[0] += 1
-            lat = _time_calls(one, 30 if quick else 200, 6 if quick else 90)
-        out.update(p50_ms=_percentile(lat, 50), p99_ms=_percentile(lat, 99), num_latency_requests=len(lat))
+            lats = [_time_calls(one, 30 if quick else 200, 6 if quick else 90) for _ in range(HTTP_ROUNDS)]
+        p50s, p99s = [_percentile(lat, 50) for lat in lats], [_percentile(lat, 99) for lat in lats]
+        out.update(p50_ms=_percentile(p50s, 50), p50_ms_spread=_spread(p50s), p99_ms=_percentile(p99s, 50),
+                   p99_ms_spread=_spread(p99s), num_latency_requests=sum(len(lat) for lat in lats))
         num_clients, per_client = 4, (3 if quick else 30)
-        errors = []
+        errors, qps = [], []
 
         def client_loop(c):
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as cl:
@@ -432,14 +439,15 @@ def _over_http(artifact: Path, requests: list[dict], k: int, history: int, threa
                     r = cl.post("/v1/rank", json=requests[(c + j) % len(requests)])
                     if r.status_code != 200:
                         errors.append(r.status_code)
-        t0 = time.perf_counter()
-        ts = [threading.Thread(target=client_loop, args=(c,)) for c in range(num_clients)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        out.update(qps=num_clients * per_client / (time.perf_counter() - t0), qps_clients=num_clients,
-                   qps_errors=len(errors))
+        for _ in range(HTTP_ROUNDS):
+            t0 = time.perf_counter()
+            ts = [threading.Thread(target=client_loop, args=(c,)) for c in range(num_clients)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            qps.append(num_clients * per_client / (time.perf_counter() - t0))
+        out.update(qps=_percentile(qps, 50), qps_spread=_spread(qps), qps_clients=num_clients, qps_errors=len(errors))
         out["server_batch_size_mean"] = _mean_batch(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
     finally:
         proc.terminate()
