@@ -114,6 +114,43 @@ def test_read_ahead_reads_the_disk_so_the_lookup_does_not(tmp_path):
     assert _read_bytes() - before <= ahead // 10, "the lookup still read from the disk"
 
 
+def test_a_lookup_the_read_ahead_advised_does_not_advise_its_pages_again(tmp_path):
+    """The trainer reads batch t + 1 ahead before step t. Step t's lookup then skips its own
+    advice (a syscall per page) for the ids read ahead, and still advises ids nobody read
+    ahead; the rows it returns are the same either way."""
+    table = TableConfig(name="t", embedding_dim=16, feature_names=["item"], device_rows=64, host_rows=512)
+    tec = TieredEmbeddingCollection(SparseConfig(tables=[table], ssd_dir=str(tmp_path), ssd_slab_rows=1 << 10))
+    store = tec.stores["t"]
+    for chunk in torch.arange(8000).split(2048):
+        store.lookup_train(chunk, torch.ones_like(chunk), None)
+    g = torch.Generator().manual_seed(3)
+    a, b, c = (torch.randint(0, 8000, (300,), generator=g).tolist() for _ in range(3))
+    assert all(int((store.index.get(torch.tensor(x), store._tier_view()) & 3 == 2).sum()) > 100 for x in (a, b, c))
+    tier, calls = store.tiers[2], []
+    will_need = tier.will_need
+    tier.will_need = lambda slots, background=False: calls.append(background) or will_need(slots, background)
+
+    def step(ids):
+        out = tec(_kjt("item", ids))["item"].values()
+        out.sum().backward()
+        return out.detach()
+
+    tec.read_ahead([_kjt("item", a)])  # before the step before a's
+    tec.read_ahead([_kjt("item", b)])  # before a's step
+    rows_a = step(a)
+    assert calls == [True, True], "the lookup of the ids read ahead advised them again"
+    step(c)
+    assert calls == [True, True, False], "a lookup of ids nobody read ahead must advise them itself"
+    tier.wait_advice()
+    (tmp_path / "ref").mkdir()
+    reference = TieredEmbeddingCollection(SparseConfig(tables=[table], ssd_dir=str(tmp_path / "ref"),
+                                                       ssd_slab_rows=1 << 10))
+    for chunk in torch.arange(8000).split(2048):
+        reference.stores["t"].lookup_train(chunk, torch.ones_like(chunk), None)
+    out = reference(_kjt("item", a))["item"].values()
+    assert torch.equal(out.detach(), rows_a)
+
+
 def _advise_in_child(path: str, conn) -> None:
     from genrec.sparse.tiers import Tier
 
