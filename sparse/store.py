@@ -99,7 +99,6 @@ class TableStore:
         self.version = 0  # bumped whenever any row changes tier or slot, and by every optimizer step
         self.moves = 0  # bumped whenever any row changes tier or slot (a native location's validity)
         self.last_locations = self.last_sweep = None
-        self._read_ahead_ids: list[torch.Tensor] = []  # the ids of the last background read-aheads
         # Since the last snapshot saved or loaded (for deltas): its lookup count, and the ids
         # removed after it while track_removals (given up, None, past a table's worth).
         self.snapshot_step, self.track_removals, self._removed_count = 0, False, 0
@@ -305,14 +304,11 @@ class TableStore:
     def read_ahead(self, ids_N: torch.Tensor, background: bool = True) -> int:
         """Start the disk reads of the SSD-tier pages (rows, ids, metadata) a lookup of these ids will
         touch, all at once, without waiting (Tier.will_need; on its thread if `background`): the
-        SSD rows advised. A lookup advises its own ids too, at the cost of a syscall per cached page,
-        unless they are the ids the last background read-ahead advised (see _native_lookup)."""
+        SSD rows advised. A lookup advises its own ids too, unless they were read ahead (Tier.was_read_ahead)."""
         loc_N = self.index.candidates(ids_N) if self.native and self.tiers[2].num_used else None
-        if loc_N is None:
-            return 0
-        if background:  # for batch t + 1, asked before step t: the last two are kept
-            self._read_ahead_ids = [*self._read_ahead_ids[-1:], ids_N]
-        return self.tiers[2].will_need(loc_N[(loc_N & 3) == 2] >> 2, background)  # absent: -1
+        if background:
+            self.tiers[2].note_read_ahead(ids_N)
+        return 0 if loc_N is None else self.tiers[2].will_need(loc_N[(loc_N & 3) == 2] >> 2, background)  # absent: -1
 
     def _native_lookup(self, ids_N, counts_N, now, out: bool):
         """csrc/store.c's fused lookup: (U, committed, inv, uniq, cnt, loc); with `out`,
@@ -320,17 +316,8 @@ class TableStore:
         n = ids_N.numel()
         if n >= 1 << 31:  # the dedup table numbers unique ids in int32 (csrc/store.c)
             raise ValueError(f"genrec.sparse: one lookup takes fewer than 2^31 ids, got {n}; split the batch")
-        ahead = next((i for i, a in enumerate(self._read_ahead_ids) if a.numel() == n and torch.equal(a, ids_N)), None)
-        if ahead is not None:
-            # The trainer's read-ahead advised these very ids' pages a step ago (TableStore.
-            # read_ahead, on the adviser thread, which has had that step to give it): advising
-            # them again would cost a syscall per page, about 4 ms of a 17 ms offloaded step
-            # (8,192 ids, 2M-row table). A row that moved to the SSD tier since was written there
-            # in between, so its pages are cached. Waiting for the adviser instead would wait for
-            # the next batch's advice too, asked after this one's.
-            del self._read_ahead_ids[: ahead + 1]
-        else:
-            self.read_ahead(ids_N, background=False)  # the lookup confirms SSD ids against their id pages
+        if not self.tiers[2].was_read_ahead(ids_N):  # the lookup confirms SSD ids against their id pages
+            self.read_ahead(ids_N, background=False)
         inv_N, uniq_N, cnt_N, loc_N = (torch.empty(n, dtype=torch.int64) for _ in range(4))
         out_ND = torch.empty(n, self.dim) if out else None
         top = self._top_tier()

@@ -313,6 +313,7 @@ class Tier:
         self.meta = array("meta", NUM_META, torch.int64, cpu, 0)
         self.capacity = capacity
         self._advice: Future | None = None  # the newest background read-ahead (will_need)
+        self._ahead: list[torch.Tensor] = []  # the keys of the last two (note_read_ahead)
         self.layout = new_layout()  # changes whenever a slab is added or dropped (native.TierView)
         # Free slots: a stack popped from the end, in a buffer that grows by doubling, so
         # freeing k slots costs O(k), not a copy of every free slot.
@@ -344,6 +345,20 @@ class Tier:
         else:
             advise()
         return int(slots_N.numel())
+
+    def note_read_ahead(self, key: torch.Tensor) -> None:
+        """Remember the ids a background read-ahead was asked for (batch t + 1, asked before
+        step t): the last two are kept, for `was_read_ahead`."""
+        self._ahead = [*self._ahead[-1:], key]
+
+    def was_read_ahead(self, key: torch.Tensor) -> bool:
+        """Whether a kept read-ahead was for exactly these ids (then it and any before it are
+        forgotten). Its lookup need not advise their pages again: a syscall per page, about 4
+        ms of a 17 ms offloaded step of 8,192 ids; rows moved to this tier since are cached."""
+        i = next((i for i, a in enumerate(self._ahead) if a.numel() == key.numel() and torch.equal(a, key)), None)
+        if i is not None:
+            del self._ahead[: i + 1]
+        return i is not None
 
     def wait_advice(self) -> None:
         """Wait for the background read-ahead asked so far (will_need) to be given."""
