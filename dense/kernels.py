@@ -357,14 +357,27 @@ def hstu_attention_chunked(q_THd, k_THd, v_THd, layout: JaggedLayout, ts_w, pos_
         # On CUDA the C tile does not apply; the PyTorch tile would sum bias gradients with
         # index_add_ (atomics, not deterministic) and sync with the host per bucket.
         return triton_hstu.hstu_attention_triton(q_THd, k_THd, v_THd, layout, ts_w, pos_w, p)
-    dq = q_THd.shape[-1]
-    qkv = torch.cat([q_THd, k_THd, v_THd], dim=-1)  # one gather for all three
     parts = []
-    for bucket, x in zip(layout.buckets(p.bucket_min_fill), layout.gather_to_buckets(qkv, p.bucket_min_fill)):
-        x = x.transpose(1, 2)  # [G, H, N, 2 dq + dv]
-        q, k, v = x[..., :dq].contiguous(), x[..., dq:2 * dq].contiguous(), x[..., 2 * dq:].contiguous()
-        parts.append(_HSTUChunkedFn.apply(q, k, v, ts_w, pos_w, bucket, p).transpose(1, 2))
-    return layout.scatter_from_buckets(parts)
+    for bucket, (q, k, v) in _bucketed_qkv(q_THd, k_THd, v_THd, layout, p.bucket_min_fill):
+        parts.append(_HSTUChunkedFn.apply(q.contiguous(), k.contiguous(), v.contiguous(), ts_w, pos_w, bucket, p))
+    return _unbucketed(parts, layout)
+
+
+def _bucketed_qkv(q_THd, k_THd, v_THd, layout: JaggedLayout, min_fill: float):
+    """(bucket, (q, k, v) [G, H, N, d] views) per length bucket: one gather of the three."""
+    T, H, dq = q_THd.shape
+    qkv = torch.cat([q_THd.reshape(T, -1), k_THd.reshape(T, -1), v_THd.reshape(T, -1)], dim=1)
+    for bucket, x in zip(layout.buckets(min_fill), layout.gather_to_buckets(qkv, min_fill)):
+        G, N, _ = x.shape
+        q, k, v = x.split([H * dq, H * dq, x.shape[-1] - 2 * H * dq], dim=-1)
+        yield bucket, tuple(t.reshape(G, N, H, -1).transpose(1, 2) for t in (q, k, v))
+
+
+def _unbucketed(parts: list[torch.Tensor], layout: JaggedLayout) -> torch.Tensor:
+    """Per-bucket outputs [G, H, N, dv] -> jagged [T, H, dv]."""
+    H, dv = parts[0].shape[1], parts[0].shape[-1]
+    flat = layout.scatter_from_buckets([o.transpose(1, 2).reshape(o.shape[0], o.shape[2], H * dv) for o in parts])
+    return flat.view(-1, H, dv)
 
 
 # ----------------------------------------------------------------------------------------
@@ -391,12 +404,8 @@ def mha_sdpa(q_THd, k_THd, v_THd, layout: JaggedLayout, dropout_p: float,
              bucket_min_fill: float = 0.75) -> torch.Tensor:
     if layout.num_tokens == 0:
         return v_THd.new_zeros(v_THd.shape)
-    dq = q_THd.shape[-1]
-    qkv = torch.cat([q_THd, k_THd, v_THd], dim=-1)
     parts = []
-    for bucket, x in zip(layout.buckets(bucket_min_fill), layout.gather_to_buckets(qkv, bucket_min_fill)):
-        x = x.transpose(1, 2)
-        q, k, v = x[..., :dq], x[..., dq:2 * dq], x[..., 2 * dq:]
+    for bucket, (q, k, v) in _bucketed_qkv(q_THd, k_THd, v_THd, layout, bucket_min_fill):
         if bucket.has_targets:
             ar = torch.arange(bucket.max_len, device=q.device)
             mask = _visible(ar[None, :, None], ar[None, None, :], bucket.history_lengths_G[:, None, None])
@@ -404,8 +413,8 @@ def mha_sdpa(q_THd, k_THd, v_THd, layout: JaggedLayout, dropout_p: float,
         else:
             # Right padding: padded keys come after every valid query, so causal is enough.
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-        parts.append(out.transpose(1, 2))
-    return layout.scatter_from_buckets(parts)
+        parts.append(out)
+    return _unbucketed(parts, layout)
 
 
 KERNELS: dict[tuple[str, str], Callable[..., torch.Tensor]] = {

@@ -7,6 +7,8 @@ import platform
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 
 from genrec.dense import fused
@@ -374,3 +376,41 @@ def test_scan_top_k_is_the_exact_top_k(dim, dtype):
         top = got_i[2, :11].tolist()  # the query equals row 123: row 123 and its ten copies lead, in row order
         if k >= 11:
             assert top == sorted(top) and set(top) == {123, *range(7_000, 7_010)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=7),
+       min_fill=st.sampled_from([1e-9, 0.5, 0.75, 1.0]), seed=st.integers(0, 2 ** 16))
+def test_bucket_gather_puts_each_row_once_zero_pads_and_inverts_with_gradients(lengths, min_fill, seed):
+    # Equal lengths give the layout whose padded order is its own (no copy at all).
+    T = sum(lengths)
+    assume(T > 0)
+    offsets = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    layout = make_layout(torch.tensor(offsets), torch.arange(T), None, 16)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.cat([torch.arange(1, T + 1, dtype=torch.float64)[:, None],  # column 0: token id + 1
+                   torch.randn(T, 2, dtype=torch.float64, generator=g)], 1).requires_grad_()
+    parts = layout.gather_to_buckets(x, min_fill)
+    starts, place = [], {}
+    for b, (bucket, part) in enumerate(zip(layout.buckets(min_fill), parts)):
+        assert part.shape == (bucket.num_rows, bucket.max_len, 3)
+        for r in range(bucket.num_rows):
+            n = int(bucket.lengths_G[r])
+            ids = part[r, :n, 0].long() - 1
+            start = int(ids[0])
+            assert ids.tolist() == list(range(start, start + n))  # a whole row, in order
+            assert (start, n) in zip(offsets, lengths)
+            torch.testing.assert_close(part[r, :n], x[ids])
+            assert (part[r, n:] == 0).all()  # padding is zeros
+            starts.append(start)
+            place.update({int(t): (b, r, i) for i, t in enumerate(ids)})
+    assert sorted(starts) == [o for o, n in zip(offsets, lengths) if n > 0]  # every row once
+    weights = [torch.randn(p.shape, dtype=torch.float64, generator=g) for p in parts]
+    (gx,) = torch.autograd.grad(sum((p * w).sum() for p, w in zip(parts, weights)), x, retain_graph=True)
+    expected = torch.stack([weights[b][r, i] for b, r, i in (place[t] for t in range(T))])
+    torch.testing.assert_close(gx, expected)  # each token's weight at its one padded place
+    back = layout.scatter_from_buckets(parts)
+    torch.testing.assert_close(back, x)
+    w2 = torch.randn(T, 3, dtype=torch.float64, generator=g)
+    (gx2,) = torch.autograd.grad((back * w2).sum(), x)
+    torch.testing.assert_close(gx2, w2)
