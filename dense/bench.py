@@ -4,7 +4,8 @@ Every comparison is measured side by side in one process (the machine is shared,
 ratios mean more than absolute numbers). All training numbers are forward + backward in
 the precision training uses here (`train.precision = "auto"`: fp32 on CPU; bf16 autocast on
 a CPU without native bf16 matmuls was measured 5x slower than fp32), or the one in
-$GENREC_BENCH_PRECISION, on skewed-length jagged batches.
+$GENREC_BENCH_PRECISION, on skewed-length jagged batches; the full-row figures at the
+public reference's shapes (`SHAPES`) run in the precision their key names.
 
 Each ratio is the median over rounds in which both sides run in turn (`NAME_spread`: its
 median, min, max and rounds); `--quick` runs 5 rounds of smaller batches, the full run 9.
@@ -16,6 +17,7 @@ PyTorch has no allocator peak counter.
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import sys
@@ -50,17 +52,17 @@ def _skewed_batch(max_len: int, num_tokens: int, seed: int, mean_frac: float = 0
     return _rows_batch(lengths, g)
 
 
-def _full_rows(length: int, rows: int, seed: int):
+def _full_rows(length: int, rows: int, seed: int, dim: int = 64):
     """`rows` rows of `length` events each (a long-history batch)."""
-    return _rows_batch([length] * rows, torch.Generator().manual_seed(seed))
+    return _rows_batch([length] * rows, torch.Generator().manual_seed(seed), dim)
 
 
-def _rows_batch(lengths: list[int], g: torch.Generator):
-    """(tokens [T, 64], offsets [B + 1], increasing timestamps [T]) of rows of these lengths."""
+def _rows_batch(lengths: list[int], g: torch.Generator, dim: int = 64):
+    """(tokens [T, dim], offsets [B + 1], increasing timestamps [T]) of rows of these lengths."""
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])
     T = int(offsets[-1])
     ts = torch.cumsum(torch.randint(0, 3600, (T,), generator=g), 0)
-    return torch.randn(T, 64, generator=g), offsets, ts
+    return torch.randn(T, dim, generator=g), offsets, ts
 
 
 SL_PROB, SL_MIN = 0.5, 16
@@ -86,9 +88,13 @@ def _stochastic_length(batch, prob: float, min_len: int, seed: int):
 
 PRECISION = os.environ.get("GENREC_BENCH_PRECISION", "fp32")
 
+SHAPES = ((128, 200, 50, "fp32"), (8, 2048, 64, "bf16"), (8, 2048, 64, "fp32"))
+"""(rows, length, D, precision) of the full-row figures `hstu_tokens_per_s_{rows}x{length}x{D}`
+(the 8 x 2048 x 64 fp32 one ends in `_fp32`)."""
 
-def _train_step(tower, x, off, ts):
-    with autocast(PRECISION):
+
+def _train_step(tower, x, off, ts, precision: str = PRECISION):
+    with autocast(precision):
         y = tower(x, off, ts)
     y.float().square().mean().backward()
 
@@ -102,7 +108,11 @@ def _spread(values: list[float]) -> dict:
 def _side_by_side(fns: dict, reps: int) -> dict[str, list[float]]:
     """Seconds per call of each function, `reps` rounds, the functions taking turns within a
     round: a ratio of two sides is then taken round by round, so a burst of load on a shared
-    machine slows both sides of the same round rather than one of them."""
+    machine slows both sides of the same round rather than one of them. Objects alive before
+    are frozen out of the garbage collector, as the trainer does after its set-up (otherwise
+    its full collections scan torch's objects: 6% of a 128 x 200 step)."""
+    gc.collect()
+    gc.freeze()
     for fn in fns.values():
         fn()  # warm-up (also loads the fused tile)
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -142,11 +152,11 @@ def _activation_bytes(fn) -> int:
     return sum(seen.values())
 
 
-def _step_fn(cfg: TowerConfig, batch):
+def _step_fn(cfg: TowerConfig, batch, precision: str = PRECISION):
     tower = build_tower(cfg)
     x, off, ts = batch
     x = x.clone().requires_grad_()
-    return lambda: _train_step(tower, x, off, ts)
+    return lambda: _train_step(tower, x, off, ts, precision)
 
 
 def _free_threads() -> int:
@@ -182,6 +192,19 @@ def _run(quick: bool) -> dict:
         t = _side_by_side({"hstu": _step_fn(_cfg("hstu", n), batch),
                            "transformer": _step_fn(_cfg("transformer", n), batch)}, reps)
         _hstu_vs_transformer(out, n, batch[0].shape[0], t)
+
+    # Full-length rows at the shapes of the public reference's measurements (2 layers, 1
+    # head, attention and value widths D): 128 x 200 x 50 in fp32, 8 x 2048 x 64 in bf16 and fp32.
+    for rows, n, d, precision in SHAPES:
+        batch = _full_rows(n, rows, seed=n + d, dim=d)
+        cfgs = {kind: _cfg(kind, n, embedding_dim=d, num_heads=1, attention_dim=d, linear_dim=d)
+                for kind in ("hstu", "transformer")}
+        t = _side_by_side({kind: _step_fn(cfg, batch, precision) for kind, cfg in cfgs.items()}, reps)
+        name = f"{rows}x{n}x{d}" + ("_fp32" if (d, precision) == (64, "fp32") else "")
+        for side in ("hstu", "transformer"):
+            out[f"{side}_tokens_per_s_{name}"] = round(rows * n / statistics.median(t[side]))
+        _log(f"{name} ({precision}): HSTU {out[f'hstu_tokens_per_s_{name}']} tok/s, "
+             f"Transformer {out[f'transformer_tokens_per_s_{name}']} tok/s")
 
     # Jagged (length buckets) vs padded (one bucket padded to the longest row), mean = max/4,
     # on the same batch quick or full: the ratio depends on how many rows the padding spans.

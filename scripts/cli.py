@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--artifact", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--threads", type=int, default=2, help="CPU threads for scoring")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for scoring, per worker")
+    p.add_argument("--workers", type=int, default=1,
+                   help="batch worker threads ranking at once (for throughput: one per core, with --threads 1)")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests scored together")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a request waits for a batch to fill")
     p.add_argument("--max-queue", type=int, default=256, help="rank requests in the server at once (503 beyond)")

@@ -90,7 +90,7 @@ def serve(args: argparse.Namespace) -> int:
     # A flag left unset (or not there) keeps ServingConfig's default.
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServingConfig)
              if getattr(args, f.name, None) is not None}
-    run_server(args.artifact, host=args.host, port=args.port, threads=args.threads,
+    run_server(args.artifact, host=args.host, port=args.port, threads=args.threads, workers=args.workers,
                max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
                max_body_bytes=args.max_body_bytes, reload_token_file=args.reload_token_file,
                reload_dirs=args.reload_dirs, allowed_hosts=args.allowed_hosts, serving_cfg=ServingConfig(**given))

@@ -1,4 +1,4 @@
-"""The server's dynamic batcher: one worker thread ranks queued requests in batches (see
+"""The server's dynamic batcher: worker threads rank queued requests in batches (see
 models/serving/server.py for how requests reach it)."""
 
 from __future__ import annotations
@@ -18,19 +18,24 @@ class Overloaded(Exception):
 
 
 class Batcher:
-    """One worker thread that ranks queued requests in dynamic batches; `metrics.batch_size`
-    (a prometheus Histogram) observes each batch's size."""
+    """`workers` threads that rank queued requests in dynamic batches, each its own batch at a
+    time (torch's kernels release the GIL, so with one intra-op thread each, W workers rank on
+    W cores); `metrics.batch_size` (a prometheus Histogram) observes each batch's size."""
 
     def __init__(self, ranker: Ranker, *, max_batch_size: int, max_wait_ms: float, max_queue: int,
-                 metrics: Any) -> None:
+                 metrics: Any, workers: int = 1) -> None:
+        if workers < 1:
+            raise ValueError(f"serve: workers must be >= 1, got {workers}")
         self.ranker = ranker
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000
         self.metrics = metrics
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.arriving = 0  # requests being read or parsed (counted on the event loop)
-        self.thread = threading.Thread(target=self._loop, name="genrec-batcher", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._loop, name=f"genrec-batcher-{i}", daemon=True)
+                        for i in range(workers)]
+        for t in self.threads:
+            t.start()
 
     @contextlib.contextmanager
     def arriving_request(self):
@@ -51,13 +56,15 @@ class Batcher:
         return await fut
 
     def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join(timeout=30)
+        self.queue.put(None)  # each worker puts it back for the next one as it stops
+        for t in self.threads:
+            t.join(timeout=30)
 
     def _loop(self) -> None:
         while True:
             first = self.queue.get()
             if first is None:
+                self.queue.put(None)
                 return
             batch = [first]
             deadline = time.monotonic() + self.max_wait_s

@@ -3,7 +3,8 @@
 What it measures (all side by side in one run, since the machine is shared and noisy):
 
 - p50 / p99 latency and QPS of POST /v1/rank against a real server in a second process on
-  loopback (history 1,024 events, 1M-item corpus, K=500, N=50; quick: 50k items, 256 events,
+  loopback (SERVER_WORKERS batch workers of one thread each; history 1,024 events, 1M-item
+  corpus, K=500, N=50; quick: 50k items, 256 events,
   K=200). Latency is single stream (one request in flight); QPS uses several client threads so
   the server's dynamic batching has something to batch. Each is the median of HTTP_ROUNDS
   rounds against the same server (`*_spread`: median / min / max), since one round's p99 is
@@ -302,14 +303,15 @@ def run(quick: bool) -> dict:
     k, n = (100, 20) if quick else (500, 50)
     max_seq_len = history + k + 16
     dim = 32 if quick else 64
-    # One intra-op thread: the box is 2 shared cores and the load generator needs one; with
-    # more threads than free cores, OpenMP spin-waits dominate the latency.
+    # One intra-op thread per worker: the box is 2 shared cores and the load generator needs
+    # CPU too; with more threads than free cores, OpenMP spin-waits dominate the latency.
     threads = 1
     torch.set_num_threads(threads)
     t_start = time.time()
     _log(f"building a synthetic model: {num_items:,} items, D={dim}, history {history}, K={k}, N={n}")
     model, item_ids, item_features = build_synthetic_model(num_items=num_items, dim=dim, max_seq_len=max_seq_len)
-    result: dict = {"num_items": num_items, "history": history, "k": k, "n": n, "dim": dim, "threads": threads}
+    result: dict = {"num_items": num_items, "history": history, "k": k, "n": n, "dim": dim, "threads": threads,
+                    "server_workers": SERVER_WORKERS}
     with tempfile.TemporaryDirectory(prefix="genrec_bench_serve_") as tmp:
         arts = {}
         for dtype in ("fp32", "int8"):
@@ -408,6 +410,11 @@ def run(quick: bool) -> dict:
     return result
 
 
+SERVER_WORKERS = 2
+"""The HTTP server's batch workers (`genrec serve --workers`), one intra-op thread each: two
+batches rank at once on the 2 cores."""
+
+
 def _over_http(artifact: Path, requests: list[dict], k: int, history: int, threads: int, quick: bool) -> dict:
     """Single-stream p50 / p99 and QPS of 4 concurrent clients against a server process of
     this artifact on loopback, and the server's mean batch (its /metrics)."""
@@ -415,7 +422,8 @@ def _over_http(artifact: Path, requests: list[dict], k: int, history: int, threa
 
     port = _free_port()
     proc = start_server_process(artifact, port, threads=threads,
-                                extra=["--max-k", str(k), "--max-history", str(history)])
+                                extra=["--max-k", str(k), "--max-history", str(history),
+                                       "--workers", str(SERVER_WORKERS)])
     out: dict = {}
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30.0) as client:

@@ -42,8 +42,11 @@ server's `max_history` keeps its most recent events (the response says `history_
 `exclude_seen` still filters the items of the whole history sent.
 Concurrent requests are batched dynamically: the batch worker takes what has queued, waiting
 at most `max_wait_ms` for up to `max_batch_size` while other requests are on their way in (a
-lone request on an idle server goes at once). CPU threads are bounded: torch uses
-`threads` intra-op threads, one batch worker thread, and uvicorn's single event loop.
+lone request on an idle server goes at once). CPU threads are bounded: `workers` batch worker
+threads (default 1) each rank with `threads` torch intra-op threads, beside uvicorn's single
+event loop. For throughput under concurrency, one worker per core with one thread each
+(`--workers 2 --threads 1` on 2 cores): two batches then run at once; for the latency of a
+lone request, one worker with a thread per core.
 
 Trust: the manifest's sha256 checksums catch corruption (a truncated copy, a flipped bit),
 not tampering: whoever can write the artifact directory can rewrite the manifest too. What
@@ -319,7 +322,7 @@ def _bearer_matches(header: str | None, token: str) -> bool:
 def create_app(artifact_dir: str | Path, *, serving_cfg: ServingConfig | None = None, max_batch_size: int = 16,
                max_wait_ms: float = 2.0, max_body_bytes: int = 8 << 20, max_queue: int = 256,
                reload_token: str | None = None, reload_dirs: Sequence[str | Path] = (),
-               allowed_hosts: Sequence[str] | None = ()) -> FastAPI:
+               allowed_hosts: Sequence[str] | None = (), workers: int = 1) -> FastAPI:
     """The FastAPI app serving one artifact (loaded now; a bad artifact raises here).
 
     reload_token: enables POST /admin/reload (None: the route does not exist); reload_dirs:
@@ -345,7 +348,7 @@ def create_app(artifact_dir: str | Path, *, serving_cfg: ServingConfig | None = 
     state = {"artifact": str(artifact_dir), "real": launched}
     metrics.model.labels(ranker.version, ranker.dtype).set(1)
     batcher = Batcher(ranker, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
-                      metrics=metrics)
+                      metrics=metrics, workers=workers)
     reload_lock = asyncio.Lock()
 
     @asynccontextmanager
@@ -473,7 +476,7 @@ def read_reload_token(token_file: str | Path | None) -> str | None:
     return os.environ.get(TOKEN_ENV, "").strip() or None
 
 
-def startup_summary(ranker: Ranker, artifact_dir: str | Path, *, host: str, port: int, threads: int,
+def startup_summary(ranker: Ranker, artifact_dir: str | Path, *, host: str, port: int, threads: int, workers: int,
                     max_batch_size: int, max_wait_ms: float, max_queue: int, max_body_bytes: int,
                     reload_dirs: Sequence[str | Path], reload_enabled: bool,
                     allowed_hosts: Sequence[str] | None) -> str:
@@ -486,13 +489,13 @@ def startup_summary(ranker: Ranker, artifact_dir: str | Path, *, host: str, port
         hosts = ", ".join([*LOOPBACK_HOSTS, *(_normalize_host(h) for h in allowed_hosts)])
     reload = f"on, under {', '.join(str(d) for d in reload_dirs)}" if reload_enabled else "off"
     return (f"genrec serve: model {ranker.version} ({ranker.dtype}) from {artifact_dir} on http://{url_host}:{port}; "
-            f"{threads} threads, batches <= {max_batch_size} (wait <= {max_wait_ms} ms), queue <= {max_queue}; "
+            f"{workers} worker(s) of {threads} thread(s), batches <= {max_batch_size} (wait <= {max_wait_ms} ms), queue <= {max_queue}; "
             f"k <= {ranker.max_k}, n <= {cfg.max_n}, history {ranker.max_history} events, "
             f"requests <= {cfg.max_request_events} events and {max_body_bytes} bytes; "
             f"reload {reload}; Host names: {hosts}")
 
 
-def serve(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 8080, *, threads: int = 2,
+def serve(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 8080, *, threads: int = 2, workers: int = 1,
           max_batch_size: int = 16, max_wait_ms: float = 2.0, max_body_bytes: int = 8 << 20, max_queue: int = 256,
           reload_token_file: str | Path | None = None, reload_dirs: Sequence[str | Path] = (),
           allowed_hosts: Sequence[str] = (), serving_cfg: ServingConfig | None = None) -> None:
@@ -500,8 +503,8 @@ def serve(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 8080, *
     `reload_token_file` or $GENREC_RELOAD_TOKEN; without one, /admin/reload does not exist."""
     import uvicorn
 
-    if threads < 1:
-        raise ValueError(f"serve: threads must be >= 1, got {threads}")
+    if threads < 1 or workers < 1:
+        raise ValueError(f"serve: threads and workers must be >= 1, got {threads} and {workers}")
     token = read_reload_token(reload_token_file)
     torch.set_num_threads(threads)
     try:
@@ -513,8 +516,8 @@ def serve(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 8080, *
               "--allowed-hosts (loopback names are always accepted)", file=sys.stderr)
     app = create_app(artifact_dir, serving_cfg=serving_cfg, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
                      max_body_bytes=max_body_bytes, max_queue=max_queue, reload_token=token,
-                     reload_dirs=reload_dirs, allowed_hosts=allowed_hosts)
-    print(startup_summary(app.state.batcher.ranker, artifact_dir, host=host, port=port, threads=threads,
+                     reload_dirs=reload_dirs, allowed_hosts=allowed_hosts, workers=workers)
+    print(startup_summary(app.state.batcher.ranker, artifact_dir, host=host, port=port, threads=threads, workers=workers,
                           max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
                           max_body_bytes=max_body_bytes, reload_dirs=reload_dirs, reload_enabled=token is not None,
                           allowed_hosts=allowed_hosts), file=sys.stderr, flush=True)

@@ -330,6 +330,46 @@ def test_a_lone_request_does_not_wait_for_a_batch(artifacts):
     assert sum1 - sum0 == 6 and count1 - count0 < 6
 
 
+def test_two_workers_rank_two_batches_at_once_and_answer_as_one_does(artifacts):
+    """With workers=2 two batches are ranked at the same time (each worker's first batch
+    waits at a 2-party barrier inside the ranker: a single worker would never get past it),
+    every answer equals the one-worker server's, and closing stops both workers."""
+    reqs = [synthetic_request(NUM_ITEMS, 50, k=40, n=5, seed=20 + i) for i in range(8)]
+    one = create_app(artifacts["v1"], serving_cfg=ServingConfig(max_k=40))
+    with serve_in_thread(one) as url, httpx.Client(base_url=url, timeout=60) as c:
+        expected = [c.post("/v1/rank", json=r).json() for r in reqs]
+    app = create_app(artifacts["v1"], serving_cfg=ServingConfig(max_k=40), workers=2, max_batch_size=1)
+    batcher = app.state.batcher
+    ranker, barrier, first = batcher.ranker, threading.Barrier(2, timeout=10), set()
+
+    def rank_batch(batch):
+        name = threading.current_thread().name
+        if name not in first:
+            first.add(name)
+            barrier.wait()  # raises BrokenBarrierError unless another worker arrives
+        return type(ranker).rank_batch(ranker, batch)
+
+    ranker.rank_batch = rank_batch
+    got = [None] * len(reqs)
+
+    def post(i):
+        got[i] = httpx.post(f"{url}/v1/rank", json=reqs[i], timeout=60)
+
+    with serve_in_thread(app) as url:
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(len(reqs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [r.status_code for r in got] == [200] * len(reqs)
+    assert len(first) == 2
+    for r, want in zip(got, expected):
+        body = r.json()
+        assert [i["item_id"] for i in body["items"]] == [i["item_id"] for i in want["items"]]
+        assert [i["score"] for i in body["items"]] == pytest.approx([i["score"] for i in want["items"]], abs=1e-6)
+    assert not any(t.is_alive() for t in batcher.threads)
+
+
 def test_k_and_n_default_to_the_server_limits(server):
     body = {key: v for key, v in BASE.items() if key not in ("k", "n")}
     with httpx.Client(base_url=server["url"], timeout=30) as c:
