@@ -258,6 +258,14 @@ static void visible_bias(const tile_args *t, int64_t g, int64_t i, int64_t j0, i
   }
   rp->m = rp->runs = 0;
   if (!t->ts) return;
+  if (t->tidx) {  /* buckets found once per tower call (hstu_time_index): a gather per key */
+    const uint8_t *tb = t->tidx + (g * N + i) * N;
+    for (int64_t j = j0; j < j1; ++j) {
+      rp->trow[j - j0] = tb[j];
+      brow[j - j0] += t->ts_w[tb[j]];
+    }
+    return;
+  }
   const int64_t *ts = t->ts + g * N, ti = query_time(t, g, i);
   rp->m = sorted_n < j1 ? sorted_n - j0 : n;
   rp->m = rp->m < 0 ? 0 : rp->m;

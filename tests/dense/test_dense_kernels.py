@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 import torch.nn.functional as F
 
-from genrec.dense import fused
+from genrec.dense import fused, kernels
 from genrec.dense.jagged import make_layout
 from genrec.dense.kernels import (HSTUAttentionParams, hstu_attention_chunked,
                                   hstu_attention_reference, mha_reference, mha_sdpa)
@@ -186,14 +186,18 @@ def test_fused_time_index_runs_agree_with_the_formula_pair_by_pair():
 @pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
 @pytest.mark.parametrize("num_targets", [None, [1, 0, 1, 3, 0, 2, 0, 0, 22]])
 @pytest.mark.parametrize("dqk,dv", [(12, 20), (36, 40)])
-def test_one_pass_native_kernels_match_reference_for_any_head_dims(num_targets, dqk, dv, monkeypatch):
+@pytest.mark.parametrize("time_index", ["index", "runs"])
+def test_one_pass_native_kernels_match_reference_for_any_head_dims(num_targets, dqk, dv, time_index, monkeypatch):
     """fp32 runs the whole forward and the whole backward in one native pass each (no
     [N, N] tile): outputs and every gradient (q, k, v, both biases) must match the float64
     reference with query/key and value dims that are not multiples of the vector width and
     differ, candidates included; the forward gives the same bits on 1 and 2 threads, the
     backward the same bits when run again; and both kernels must actually have run. 36 and
     40 columns take the kernels' two-vectors-per-pass loops (8 and 16 floats a vector) and
-    their masked tails; 12 and 20 the one-vector ones."""
+    their masked tails; 12 and 20 the one-vector ones. Time buckets from the per-call index
+    and, with the index's budget at 0, from runs over the sorted times."""
+    if time_index == "runs":
+        monkeypatch.setattr(kernels, "TIME_INDEX_MAX_BYTES", 0)
     lengths = SKEWED + [60]
     g = torch.Generator().manual_seed(5)
     off = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
@@ -232,11 +236,15 @@ def test_one_pass_native_kernels_match_reference_for_any_head_dims(num_targets, 
 
 @pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
 @pytest.mark.parametrize("sorted_times", [True, False])
-def test_one_pass_kernels_on_long_rows_match_reference(sorted_times):
+@pytest.mark.parametrize("time_index", ["index", "runs"])
+def test_one_pass_kernels_on_long_rows_match_reference(sorted_times, time_index, monkeypatch):
     """Rows longer than the backward's chunk of keys (256) and its super block of rows (64 or
     128): dq sums over several chunks, dk / dv and the bias gradients over several super
     blocks, the time bias's runs cut at chunk edges (sorted times) or bucketed pair by pair
-    (times out of order), candidates seeing a history that spans chunks."""
+    (times out of order), candidates seeing a history that spans chunks; time buckets from
+    the per-call index or from runs."""
+    if time_index == "runs":
+        monkeypatch.setattr(kernels, "TIME_INDEX_MAX_BYTES", 0)
     g = torch.Generator().manual_seed(21)
     lengths, targets = [700, 330, 3], [0, 45, 1]
     off = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
