@@ -195,9 +195,8 @@ def test_one_pass_native_kernels_match_reference_for_any_head_dims(num_targets, 
     backward the same bits when run again; and both kernels must actually have run. 36 and
     40 columns take the kernels' two-vectors-per-pass loops (8 and 16 floats a vector) and
     their masked tails; 12 and 20 the one-vector ones. Time buckets from the per-call index
-    and, with the index's budget at 0, from runs over the sorted times."""
-    if time_index == "runs":
-        monkeypatch.setattr(kernels, "TIME_INDEX_MAX_BYTES", 0)
+    and, with the index's length limit at 0, from runs over the sorted times."""
+    monkeypatch.setattr(kernels, "TIME_INDEX_MAX_LEN", 0 if time_index == "runs" else 10**6)
     lengths = SKEWED + [60]
     g = torch.Generator().manual_seed(5)
     off = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
@@ -243,8 +242,7 @@ def test_one_pass_kernels_on_long_rows_match_reference(sorted_times, time_index,
     blocks, the time bias's runs cut at chunk edges (sorted times) or bucketed pair by pair
     (times out of order), candidates seeing a history that spans chunks; time buckets from
     the per-call index or from runs."""
-    if time_index == "runs":
-        monkeypatch.setattr(kernels, "TIME_INDEX_MAX_BYTES", 0)
+    monkeypatch.setattr(kernels, "TIME_INDEX_MAX_LEN", 0 if time_index == "runs" else 10**6)
     g = torch.Generator().manual_seed(21)
     lengths, targets = [700, 330, 3], [0, 45, 1]
     off = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
