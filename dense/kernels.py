@@ -19,10 +19,10 @@ TowerConfig.time_bias_query="next"), ts the keys' own `layout.timestamps_T`.
 `KERNELS[(kind, name)]` is the registry the blocks look up:
 
     ("hstu", "reference")          padded [B, H, N, N], plain PyTorch: the specification
-    ("hstu", "chunked")            length buckets x query blocks, tiles recomputed in backward;
-                                   the elementwise tile runs in csrc/hstu_tile.c (fused.py) for
-                                   fp32/bf16 on CPU, else in PyTorch (float64; CUDA without
-                                   Triton)
+    ("hstu", "chunked")            length buckets; on CPU in fp32 and bf16 (converted to fp32
+                                   around them) the one-pass native kernels of csrc/hstu_tile.c
+                                   (fused.py), no [N, N] tile; else query blocks of tiles in
+                                   PyTorch, recomputed in backward (float64; CUDA without Triton)
     ("hstu", "triton")             Triton kernels on the jagged tokens (triton_hstu.py): CUDA, or
                                    CPU under TRITON_INTERPRET=1; "chunked" on CUDA tensors runs it
                                    when Triton is installed
@@ -212,8 +212,9 @@ def _own_or(query_ts: torch.Tensor, ts: torch.Tensor) -> torch.Tensor | None:
 
 
 def _one_pass(q, k, v) -> bool:
-    """fp32 runs the native one-pass kernels (fused.attention_forward / attention_backward)."""
-    return q.dtype == k.dtype == v.dtype == torch.float32
+    """fp32, and bf16 converted to fp32 around them, run the native one-pass kernels
+    (fused.attention_forward / attention_backward)."""
+    return q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16)
 
 
 TIME_INDEX_MAX_LEN = 256
@@ -269,7 +270,8 @@ class _HSTUChunkedFn(torch.autograd.Function):
             fused = _fused_state(q, k, v, ts_w, pos_w, bucket, p)
             if fused is not None and _one_pass(q, k, v):
                 # fp32: the whole forward in one native pass (the backward recomputes the scores)
-                out = _scale_rows(_fused.attention_forward(fused(0, N), q, k, v), inv_n, 0, N)
+                out = _fused.attention_forward(fused(0, N), q.float(), k.float(), v.float())
+                out = _scale_rows(out, inv_n, 0, N).to(v.dtype)
                 ctx.save_for_backward(q, k, v, ts_w, pos_w)
                 ctx.bucket, ctx.p = bucket, p
                 return out
@@ -303,9 +305,9 @@ class _HSTUChunkedFn(torch.autograd.Function):
                 d_ts64 = None if ts_w is None else torch.zeros(ts_w.shape, dtype=torch.float64)
                 d_pos64 = None if pos_w is None else torch.zeros(pos_w.shape, dtype=torch.float64)
             if fused is not None and _one_pass(q, k, v):  # the whole backward natively, one pass
-                dq, dk, dv = _fused.attention_backward(fused(0, N), q, k, v, _scale_rows(dout, inv_n, 0, N),
-                                                       d_ts64, d_pos64)
-                return (dq, dk, dv, None if ts_w is None else d_ts64.to(ts_w.dtype),
+                dq, dk, dv = _fused.attention_backward(fused(0, N), q.float(), k.float(), v.float(),
+                                                       _scale_rows(dout.float(), inv_n, 0, N), d_ts64, d_pos64)
+                return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None if ts_w is None else d_ts64.to(ts_w.dtype),
                         None if pos_w is None else d_pos64.to(pos_w.dtype), None, None)
             acc = torch.promote_types(q.dtype, torch.float32)  # accumulate grads in >= fp32
             dq = torch.empty_like(q)

@@ -234,6 +234,32 @@ def test_one_pass_native_kernels_match_reference_for_any_head_dims(num_targets, 
 
 
 @pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
+def test_bf16_runs_the_one_pass_kernels_in_fp32_and_rounds_once(monkeypatch):
+    """bf16 q, k, v go through the fp32 one-pass kernels (no [N, N] tile in bf16): the output
+    and the q / k / v gradients are the float64 reference's on the same bf16 values, rounded
+    to bf16 once (half a bf16 step: 2^-9 relative, plus fp32 summation), and the bias
+    gradients are fp32 sums."""
+    q, k, v, off, ts, _ = jagged(SKEWED + [60], d=16, seed=7)
+    ins64 = [t.detach().to(torch.bfloat16).double().requires_grad_() for t in (q, k, v)]
+    ts_w, pos_w = (torch.randn(n, dtype=torch.float64).requires_grad_() for n in (13, 64))
+    layout = make_layout(off, ts, None, 64)
+    ref = hstu_attention_reference(*ins64, layout, ts_w, pos_w, params("num_keys"))
+    w = torch.randn(ref.shape, dtype=torch.float64).to(torch.bfloat16)  # the upstream gradient, exact in bf16
+    g_ref = torch.autograd.grad((ref * w.double()).sum(), [*ins64, ts_w, pos_w])
+    calls = []
+    for name in ("attention_forward", "attention_backward"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    ins16 = [t.detach().to(torch.bfloat16).requires_grad_() for t in ins64]
+    w32 = [ts_w.detach().float().requires_grad_(), pos_w.detach().float().requires_grad_()]
+    out = hstu_attention_chunked(*ins16, layout, *w32, params("num_keys"))
+    got = [out, *torch.autograd.grad(out, [*ins16, *w32], w)]
+    assert out.dtype == torch.bfloat16 and set(calls) == {"attention_forward", "attention_backward"}
+    for a, b in zip(got, [ref, *g_ref]):
+        torch.testing.assert_close(a.double(), b, rtol=2 ** -8, atol=2 ** -8 * b.abs().max().item())
+
+
+@pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
 @pytest.mark.parametrize("sorted_times", [True, False])
 @pytest.mark.parametrize("time_index", ["index", "runs"])
 def test_one_pass_kernels_on_long_rows_match_reference(sorted_times, time_index, monkeypatch):
