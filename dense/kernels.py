@@ -269,7 +269,7 @@ class _HSTUChunkedFn(torch.autograd.Function):
             inv_n = _inv_n_GN(bucket, p)
             fused = _fused_state(q, k, v, ts_w, pos_w, bucket, p)
             if fused is not None and _one_pass(q, k, v):
-                # fp32: the whole forward in one native pass (the backward recomputes the scores)
+                # fp32 / bf16: the whole forward in one native pass (the backward recomputes the scores)
                 out = _fused.attention_forward(fused(0, N), q.float(), k.float(), v.float())
                 out = _scale_rows(out, inv_n, 0, N).to(v.dtype)
                 ctx.save_for_backward(q, k, v, ts_w, pos_w)
