@@ -28,10 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("synth", help="write a synthetic ad event log (parquet part-files)")
     _add_output_args(p)
-    p.add_argument("--users", type=int, default=10_000)
-    p.add_argument("--items", type=int, default=20_000)
-    p.add_argument("--events", type=int, default=1_000_000)
-    p.add_argument("--seed", type=int, default=0)
+    for flag, default in (("--users", 10_000), ("--items", 20_000), ("--events", 1_000_000), ("--seed", 0)):
+        p.add_argument(flag, type=int, default=default)
 
     p = sub.add_parser("convert", help="convert a public dataset into the event-log schema")
     p.add_argument("--from", dest="source", required=True, choices=["movielens", "sasrec-txt", "s3rec-txt", "criteo"])
@@ -77,8 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--threads", type=int, default=2, help="CPU threads for scoring, per worker")
-    p.add_argument("--workers", type=int, default=1,
-                   help="batch worker threads ranking at once (for throughput: one per core, with --threads 1)")
+    p.add_argument("--workers", type=int, default=1, help="batches ranked at once (throughput: one per core, --threads 1)")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests scored together")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a request waits for a batch to fill")
     p.add_argument("--max-queue", type=int, default=256, help="rank requests in the server at once (503 beyond)")
