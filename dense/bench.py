@@ -88,9 +88,9 @@ def _stochastic_length(batch, prob: float, min_len: int, seed: int):
 
 PRECISION = os.environ.get("GENREC_BENCH_PRECISION", "fp32")
 
-SHAPES = ((128, 200, 50, "fp32"), (8, 2048, 64, "bf16"), (8, 2048, 64, "fp32"))
-"""(rows, length, D, precision) of the full-row figures `hstu_tokens_per_s_{rows}x{length}x{D}`
-(the 8 x 2048 x 64 fp32 one ends in `_fp32`)."""
+SHAPES = (("128x200x50", 128, 200, 50, "fp32"), ("8x2048x64", 8, 2048, 64, "bf16"),
+          ("8x2048x64_fp32", 8, 2048, 64, "fp32"))
+"""(name, rows, length, D, precision) of the full-row figures `hstu_tokens_per_s_{name}`."""
 
 
 def _train_step(tower, x, off, ts, precision: str = PRECISION):
@@ -195,12 +195,11 @@ def _run(quick: bool) -> dict:
 
     # Full-length rows at the shapes of the public reference's measurements (2 layers, 1
     # head, attention and value widths D): 128 x 200 x 50 in fp32, 8 x 2048 x 64 in bf16 and fp32.
-    for rows, n, d, precision in SHAPES:
+    for name, rows, n, d, precision in SHAPES:
         batch = _full_rows(n, rows, seed=n + d, dim=d)
         cfgs = {kind: _cfg(kind, n, embedding_dim=d, num_heads=1, attention_dim=d, linear_dim=d)
                 for kind in ("hstu", "transformer")}
         t = _side_by_side({kind: _step_fn(cfg, batch, precision) for kind, cfg in cfgs.items()}, reps)
-        name = f"{rows}x{n}x{d}" + ("_fp32" if (d, precision) == (64, "fp32") else "")
         for side in ("hstu", "transformer"):
             out[f"{side}_tokens_per_s_{name}"] = round(rows * n / statistics.median(t[side]))
         _log(f"{name} ({precision}): HSTU {out[f'hstu_tokens_per_s_{name}']} tok/s, "
