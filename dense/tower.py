@@ -54,9 +54,10 @@ class HistoryCache:
     valid_BL: torch.Tensor
     """bool [B, L]."""
     keys: list[torch.Tensor]
-    """Per layer [B, H, L, d_qk]."""
+    """Per layer [B, H, L, d_qk]; 0 at padding."""
     values: list[torch.Tensor]
-    """Per layer [B, H, L, d_v]."""
+    """Per layer [B, H, L, d_v]; 0 at padding (`score_targets` relies on it: HSTU's
+    pointwise attention weights padded keys by their value row, not by a mask)."""
 
 
 class SequenceTower(nn.Module):
@@ -135,8 +136,11 @@ class SequenceTower(nn.Module):
         index = layout.padded_index()
 
         def pad(t_TX: torch.Tensor) -> torch.Tensor:  # [T, H, d] -> [B, H, L, d]
-            out = t_TX.new_zeros((B * L,) + t_TX.shape[1:])
-            out[index] = t_TX
+            if t_TX.shape[0] == B * L:  # every row L long: the padded order is the jagged one
+                out = t_TX
+            else:
+                out = t_TX.new_zeros((B * L,) + t_TX.shape[1:])
+                out[index] = t_TX
             return out.view(B, L, *t_TX.shape[1:]).transpose(1, 2).contiguous()
 
         ts = layout.timestamps_T.new_zeros(B * L)
@@ -150,13 +154,15 @@ class SequenceTower(nn.Module):
 
     @torch.no_grad()
     def score_targets(self, cache: HistoryCache, target_values_CD: torch.Tensor,
-                      target_offsets_B1: torch.Tensor, target_timestamps_C: torch.Tensor) -> torch.Tensor:
+                      target_offsets_B1: torch.Tensor, target_timestamps_C: torch.Tensor,
+                      micro_batch: int | None = None) -> torch.Tensor:
         """Candidate states against the cached histories; equals the candidate rows of
         forward(history + candidates, num_targets_B=candidate counts). A candidate reads
         the history and itself only (the target-aware mask), so any number of candidates
         per row may be scored against a history shorter than max_seq_len: each one's state
         is the one forward(history + that candidate) gives it. Candidates are scored
-        `target_micro_batch` per row at a time; each costs O(history) per layer.
+        `micro_batch` (None: TowerConfig.target_micro_batch) per row at a time; each costs
+        O(history) per layer.
         Candidates are queries at their own time under either `time_bias_query`."""
         self._check_values(target_values_CD, target_offsets_B1, "target_values_CD")
         B = cache.history_lengths_B.numel()
@@ -169,7 +175,7 @@ class SequenceTower(nn.Module):
             raise ValueError("history + one candidate exceed TowerConfig.max_seq_len")
         max_c = int(counts_B.max()) if B else 0
         out = target_values_CD.new_empty(target_values_CD.shape)
-        m = self.cfg.target_micro_batch
+        m = micro_batch or self.cfg.target_micro_batch
         for c0 in range(0, max_c, m):
             c_M = torch.arange(c0, min(max_c, c0 + m), device=counts_B.device)
             valid_BM = c_M[None, :] < counts_B[:, None]
@@ -211,13 +217,13 @@ class SequenceTower(nn.Module):
             if fused_attn is not None:
                 x_BMD = layer.finish(x_BMD, u, fused_attn.transpose(1, 2).reshape(B, M, -1), v_lpf)
                 continue
+            if self.cfg.kind == "hstu" and layer.params.alpha != 1.0:
+                q = q * layer.params.alpha  # on q [B, H, M, d], not on the scores [B, H, M, L]
             s_hist = torch.matmul(q, K.transpose(-1, -2))     # [B, H, M, L]
             s_self = (q * k).sum(-1, keepdim=True)            # [B, H, M, 1]
+            hist_scale = 1.0
             if self.cfg.kind == "hstu":
                 p = layer.params
-                if p.alpha != 1.0:  # in place: s_hist is [B, H, M, L], the largest tensor here
-                    s_hist.mul_(p.alpha)
-                    s_self = s_self * p.alpha
                 rab = None
                 if layer.pos_w is not None:
                     rab = layer.pos_w[pos_idx]
@@ -234,14 +240,20 @@ class SequenceTower(nn.Module):
                     inv_n = 1.0 / (hist_B.float() + 1)[:, None, None, None]
                 else:
                     inv_n = 1.0
-                a_hist = F.silu(s_hist, inplace=True).mul_(valid * inv_n)
+                # No mask pass over the scores: a padded key's value row is 0 (HistoryCache),
+                # and 1 / n scales the [B, H, M, dv] product instead.
+                a_hist = F.silu(s_hist, inplace=True)
+                hist_scale = inv_n
                 a_self = F.silu(s_self) * inv_n
             else:
                 scale = layer.attention_dim ** -0.5
                 s = torch.cat([s_hist.masked_fill(~valid, float("-inf")), s_self], dim=-1) * scale
                 a = torch.softmax(s.float(), dim=-1)
                 a_hist, a_self = a[..., :L], a[..., L:]
-            attn = torch.matmul(a_hist.to(V.dtype), V) + a_self.to(v.dtype) * v   # [B, H, M, dv]
+            attn = torch.matmul(a_hist.to(V.dtype), V)         # [B, H, M, dv]
+            if not isinstance(hist_scale, float) or hist_scale != 1.0:
+                attn.mul_(hist_scale)
+            attn = attn + a_self.to(v.dtype) * v
             attn = attn.transpose(1, 2).reshape(B, M, -1)
             x_BMD = layer.finish(x_BMD, u, attn) if v_lpf is None else layer.finish(x_BMD, u, attn, v_lpf)
         return self.final_norm(x_BMD)

@@ -78,56 +78,98 @@ static int by_rank(const void *a, const void *b) {
 #define SCAN_BLOCK 2048
 #define SCAN_AHEAD_BYTES 8192  /* prefetched ahead: the hardware prefetcher alone left the scan at half the memory's speed */
 
+/* The best k rows n in [n0, n1) of one query qb (mask row mb, or NULL) into cand[0, nc),
+ * returns nc <= k, unsorted. cand holds cap + SCAN_BLOCK entries, buf SCAN_BLOCK. */
+static int64_t scan_range(const float *qb, int64_t D, const void *rows, int rows_int8, const float *scale,
+                          const uint8_t *mb, int64_t n0, int64_t n1, int64_t k, int64_t cap,
+                          scored *cand, float *buf) {
+  int64_t nc = 0;
+  int full = 0;   /* once k candidates are kept, only rows scoring above thr can enter */
+  float thr = 0.f;
+  for (int64_t b0 = n0; b0 < n1; b0 += SCAN_BLOCK) {
+    const int64_t b1 = b0 + SCAN_BLOCK < n1 ? b0 + SCAN_BLOCK : n1;
+    if (rows_int8) {
+      const int8_t *r8 = (const int8_t *)rows;
+      for (int64_t n = b0; n < b1; ++n) {
+        __builtin_prefetch(r8 + n * D + SCAN_AHEAD_BYTES);  /* past the end is harmless: a hint */
+        buf[n - b0] = dot_row(qb, r8 + n * D, D, 1) * scale[n];
+      }
+    } else {
+      const float *rf = (const float *)rows;
+      for (int64_t n = b0; n < b1; ++n) {
+        __builtin_prefetch((const char *)(rf + n * D) + SCAN_AHEAD_BYTES);
+        buf[n - b0] = dot_row(qb, rf + n * D, D, 0);
+      }
+    }
+    for (int64_t n = b0; n < b1; ++n) {
+      const float s = buf[n - b0];
+      if ((!full || s > thr) && (!mb || mb[n])) cand[nc++] = (scored){s, n};
+    }
+    if (nc >= cap) {  /* keep the best k; the k-th best is the new bar */
+      select_best(cand, nc, k);
+      nc = k;
+      thr = cand[k - 1].s;
+      full = 1;
+    }
+  }
+  if (nc > k) select_best(cand, nc, k), nc = k;
+  return nc;
+}
+
+/* Sorts c[0, nc) best first into out_s / out_i (one query's k slots), found = nc. */
+static void emit(scored *c, int64_t nc, float *out_s, int64_t *out_i, int64_t *found) {
+  qsort(c, (size_t)nc, sizeof(scored), by_rank);
+  for (int64_t j = 0; j < nc; ++j) out_s[j] = c[j].s, out_i[j] = c[j].i;
+  *found = nc;
+}
+
 /* For each of B queries q [B, D]: the best k rows n < N with mask[b * mask_stride + n] != 0
  * (mask NULL: every row) into out_s / out_i [B, k], best first; returns nothing, writes
  * found[b] = how many (fewer than k only when fewer rows pass the mask). rows: int8 [N, D]
- * with scale [N] (rows_int8 = 1) or fp32 [N, D] (scale NULL). */
+ * with scale [N] (rows_int8 = 1) or fp32 [N, D] (scale NULL).
+ * With at least as many queries as threads, each thread takes whole queries; with fewer (a
+ * lone request), the threads split each query's rows, keep their own best k, and one thread
+ * merges them: `ahead` is a total order, so the result is the same either way. */
 void scan_top_k(const float *q, int64_t B, int64_t D, const void *rows, int rows_int8, const float *scale,
                 int64_t N, const uint8_t *mask, int64_t mask_stride, int64_t k, float *out_s, int64_t *out_i,
                 int64_t *found, int64_t nthreads) {
+  const int64_t cap = 4 * k > 4096 ? 4 * k : 4096;
+  const int split = B < nthreads && N >= nthreads * (int64_t)SCAN_BLOCK;
+  const int64_t T = split ? nthreads : 1;
+  scored *merged = split ? malloc(sizeof(scored) * (size_t)(T * k)) : NULL;
+  int64_t *kept = split ? calloc((size_t)T, sizeof(int64_t)) : NULL;
 #pragma omp parallel num_threads(nthreads)
   {
-    const int64_t cap = 4 * k > 4096 ? 4 * k : 4096;
     scored *cand = malloc(sizeof(scored) * (size_t)(cap + SCAN_BLOCK));
     float *buf = malloc(sizeof(float) * SCAN_BLOCK);
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; ++b) {
-      const float *qb = q + b * D;
-      const uint8_t *mb = mask ? mask + b * mask_stride : NULL;
-      int64_t nc = 0;
-      int full = 0;   /* once k candidates are kept, only rows scoring above thr can enter */
-      float thr = 0.f;
-      for (int64_t n0 = 0; n0 < N; n0 += SCAN_BLOCK) {
-        const int64_t n1 = n0 + SCAN_BLOCK < N ? n0 + SCAN_BLOCK : N;
-        if (rows_int8) {
-          const int8_t *r8 = (const int8_t *)rows;
-          for (int64_t n = n0; n < n1; ++n) {
-            __builtin_prefetch(r8 + n * D + SCAN_AHEAD_BYTES);  /* past the end is harmless: a hint */
-            buf[n - n0] = dot_row(qb, r8 + n * D, D, 1) * scale[n];
+    if (split) {
+      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      for (int64_t b = 0; b < B; ++b) {
+        const uint8_t *mb = mask ? mask + b * mask_stride : NULL;
+        const int64_t per = (N + nt - 1) / nt, lo = t * per < N ? t * per : N, hi = lo + per < N ? lo + per : N;
+        kept[t] = scan_range(q + b * D, D, rows, rows_int8, scale, mb, lo, hi, k, cap, cand, buf);
+        memcpy(merged + t * k, cand, sizeof(scored) * (size_t)kept[t]);
+#pragma omp barrier
+#pragma omp single
+        {
+          int64_t nc = 0;
+          for (int64_t u = 0; u < nt; ++u) {
+            memmove(merged + nc, merged + u * k, sizeof(scored) * (size_t)kept[u]);
+            nc += kept[u];
           }
-        } else {
-          const float *rf = (const float *)rows;
-          for (int64_t n = n0; n < n1; ++n) {
-            __builtin_prefetch((const char *)(rf + n * D) + SCAN_AHEAD_BYTES);
-            buf[n - n0] = dot_row(qb, rf + n * D, D, 0);
-          }
-        }
-        for (int64_t n = n0; n < n1; ++n) {
-          const float s = buf[n - n0];
-          if ((!full || s > thr) && (!mb || mb[n])) cand[nc++] = (scored){s, n};
-        }
-        if (nc >= cap) {  /* keep the best k; the k-th best is the new bar */
-          select_best(cand, nc, k);
-          nc = k;
-          thr = cand[k - 1].s;
-          full = 1;
-        }
+          if (nc > k) select_best(merged, nc, k), nc = k;
+          emit(merged, nc, out_s + b * k, out_i + b * k, found + b);
+        }  /* the single's implicit barrier: merged is free for the next query */
       }
-      if (nc > k) select_best(cand, nc, k), nc = k;
-      qsort(cand, (size_t)nc, sizeof(scored), by_rank);
-      for (int64_t j = 0; j < nc; ++j) out_s[b * k + j] = cand[j].s, out_i[b * k + j] = cand[j].i;
-      found[b] = nc;
+    } else {
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t nc = scan_range(q + b * D, D, rows, rows_int8, scale, mask ? mask + b * mask_stride : NULL,
+                                      0, N, k, cap, cand, buf);
+        emit(cand, nc, out_s + b * k, out_i + b * k, found + b);
+      }
     }
     free(cand); free(buf);
   }
+  free(merged); free(kept);
 }

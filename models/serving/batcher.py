@@ -10,6 +10,8 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from genrec.models.serving.ranker import Ranker, RankRequest
 
 
@@ -19,14 +21,25 @@ class Overloaded(Exception):
 
 class Batcher:
     """`workers` threads that rank queued requests in dynamic batches, each its own batch at a
-    time (torch's kernels release the GIL, so with one intra-op thread each, W workers rank on
-    W cores); `metrics.batch_size` (a prometheus Histogram) observes each batch's size."""
+    time (torch's kernels release the GIL, so W workers rank on W cores); `metrics.batch_size`
+    (a prometheus Histogram) observes each batch's size.
+
+    `threads` is the intra-op thread budget that the busy workers share: a batch that starts
+    alone ranks with all of them (a lone request's latency), one that starts beside another
+    with its share (no more threads than cores under steady load, where OpenMP
+    oversubscription collapses). Torch's count is per calling thread, so a batch keeps the
+    count it started with; None leaves torch's count alone."""
 
     def __init__(self, ranker: Ranker, *, max_batch_size: int, max_wait_ms: float, max_queue: int,
-                 metrics: Any, workers: int = 1) -> None:
+                 metrics: Any, workers: int = 1, threads: int | None = None) -> None:
         if workers < 1:
             raise ValueError(f"serve: workers must be >= 1, got {workers}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"serve: threads must be >= 1, got {threads}")
         self.ranker = ranker
+        self.thread_budget = threads
+        self.busy = 0  # workers ranking a batch now
+        self.busy_lock = threading.Lock()
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000
         self.metrics = metrics
@@ -81,6 +94,7 @@ class Batcher:
             # Read the model once per batch: a reload swaps `self.ranker` between batches.
             ranker = self.ranker
             self.metrics.batch_size.observe(len(batch))
+            self._share_threads(+1)
             try:
                 results = ranker.rank_batch([r for r, _, _ in batch])
             except Exception:
@@ -91,8 +105,18 @@ class Batcher:
                         results.append(ranker.rank_batch([r])[0])
                     except Exception as e:  # noqa: BLE001 (reported to that request's caller)
                         results.append(e)
+            finally:
+                self._share_threads(-1)
             for (_, fut, loop), res in zip(batch, results):
                 loop.call_soon_threadsafe(_resolve, fut, res)
+
+    def _share_threads(self, change: int) -> None:
+        with self.busy_lock:
+            self.busy += change
+            if self.thread_budget is not None and change > 0:
+                n = max(1, self.thread_budget // self.busy)
+                if torch.get_num_threads() != n:
+                    torch.set_num_threads(n)
 
 
 def _resolve(fut: asyncio.Future, res: Any) -> None:

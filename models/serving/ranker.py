@@ -73,9 +73,10 @@ class ServingConfig:
     max_request_events: int = 100_000
     """Requests with more events than this are rejected, not truncated (bounds parsing work)."""
     micro_batch: int = 512
-    """M-FALCON: candidates per user scored at once against the cached history. 500
-    candidates against a history of 1,024 (one thread, D = 64, 2 layers) ranked in 8.3 ms
-    as one micro-batch of 512, 10.3 in four of 128, 14.4 in eight of 64; the scores held
+    """M-FALCON: candidates per user scored at once against the cached history (the
+    tower's own `target_micro_batch` does not apply). 500 candidates against a history of
+    1,024 (one thread, D = 64, 2 layers) ranked in 7.7-8.2 ms as one micro-batch of 512,
+    9.0-9.2 in two of 256, 9.5-10.3 in four of 128, 11.8-12.2 in eight of 64; the scores held
     at once are users x heads x micro_batch x history floats (64 MB for a batch of 16
     users, 2 heads, history 1,024)."""
     retrieval_block_rows: int = 1 << 20
@@ -479,7 +480,7 @@ class Ranker:
             hi_B = (lo_B + m).minimum(offsets_B1[1:])
             sel = torch.cat([torch.arange(int(a), int(z)) for a, z in zip(lo_B, hi_B)])
             chunk_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), (hi_B - lo_B).cumsum(0)])
-            states_CD[sel] = self.model.tower.score_targets(cache, tokens_CD[sel], chunk_offsets, ts_C[sel])
+            states_CD[sel] = self.model.tower.score_targets(cache, tokens_CD[sel], chunk_offsets, ts_C[sel], m)
         return torch.sigmoid(self.model.ranking_logits(self.model.head_input(states_CD, tokens_CD)))
 
     def score_candidates_recompute(self, hist: dict, cand_idx: torch.Tensor, time: int,

@@ -43,10 +43,10 @@ server's `max_history` keeps its most recent events (the response says `history_
 Concurrent requests are batched dynamically: the batch worker takes what has queued, waiting
 at most `max_wait_ms` for up to `max_batch_size` while other requests are on their way in (a
 lone request on an idle server goes at once). CPU threads are bounded: `workers` batch worker
-threads (default 1) each rank with `threads` torch intra-op threads, beside uvicorn's single
-event loop. For throughput under concurrency, one worker per core with one thread each
-(`--workers 2 --threads 1` on 2 cores): two batches then run at once; for the latency of a
-lone request, one worker with a thread per core.
+threads (default 1) share a budget of `threads` torch intra-op threads, beside uvicorn's
+single event loop: a lone batch ranks with all of them, two at once with half each. On 2
+cores, `--workers 2 --threads 2` gives a lone request both cores and concurrent requests
+one core each (two batches at once).
 
 Trust: the manifest's sha256 checksums catch corruption (a truncated copy, a flipped bit),
 not tampering: whoever can write the artifact directory can rewrite the manifest too. What
@@ -322,12 +322,13 @@ def _bearer_matches(header: str | None, token: str) -> bool:
 def create_app(artifact_dir: str | Path, *, serving_cfg: ServingConfig | None = None, max_batch_size: int = 16,
                max_wait_ms: float = 2.0, max_body_bytes: int = 8 << 20, max_queue: int = 256,
                reload_token: str | None = None, reload_dirs: Sequence[str | Path] = (),
-               allowed_hosts: Sequence[str] | None = (), workers: int = 1) -> FastAPI:
+               allowed_hosts: Sequence[str] | None = (), workers: int = 1, threads: int | None = None) -> FastAPI:
     """The FastAPI app serving one artifact (loaded now; a bad artifact raises here).
 
     reload_token: enables POST /admin/reload (None: the route does not exist); reload_dirs:
     the directories reload targets must lie under (required with a token). allowed_hosts:
-    Host names accepted besides loopback ("*": any; None: no Host check at all)."""
+    Host names accepted besides loopback ("*": any; None: no Host check at all). threads:
+    the intra-op thread budget the busy batch workers share (None: torch's count as it is)."""
     serving_cfg = serving_cfg or ServingConfig()
     if max_queue < 1 or max_body_bytes < 1:
         raise ValueError(f"serve: max_queue and max_body_bytes must be >= 1, got {max_queue}, {max_body_bytes}")
@@ -348,7 +349,7 @@ def create_app(artifact_dir: str | Path, *, serving_cfg: ServingConfig | None = 
     state = {"artifact": str(artifact_dir), "real": launched}
     metrics.model.labels(ranker.version, ranker.dtype).set(1)
     batcher = Batcher(ranker, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
-                      metrics=metrics, workers=workers)
+                      metrics=metrics, workers=workers, threads=threads)
     reload_lock = asyncio.Lock()
 
     @asynccontextmanager
@@ -489,7 +490,7 @@ def startup_summary(ranker: Ranker, artifact_dir: str | Path, *, host: str, port
         hosts = ", ".join([*LOOPBACK_HOSTS, *(_normalize_host(h) for h in allowed_hosts)])
     reload = f"on, under {', '.join(str(d) for d in reload_dirs)}" if reload_enabled else "off"
     return (f"genrec serve: model {ranker.version} ({ranker.dtype}) from {artifact_dir} on http://{url_host}:{port}; "
-            f"{workers} worker(s) of {threads} thread(s), batches <= {max_batch_size} (wait <= {max_wait_ms} ms), queue <= {max_queue}; "
+            f"{workers} worker(s) sharing {threads} thread(s), batches <= {max_batch_size} (wait <= {max_wait_ms} ms), queue <= {max_queue}; "
             f"k <= {ranker.max_k}, n <= {cfg.max_n}, history {ranker.max_history} events, "
             f"requests <= {cfg.max_request_events} events and {max_body_bytes} bytes; "
             f"reload {reload}; Host names: {hosts}")
@@ -516,7 +517,7 @@ def serve(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 8080, *
               "--allowed-hosts (loopback names are always accepted)", file=sys.stderr)
     app = create_app(artifact_dir, serving_cfg=serving_cfg, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
                      max_body_bytes=max_body_bytes, max_queue=max_queue, reload_token=token,
-                     reload_dirs=reload_dirs, allowed_hosts=allowed_hosts, workers=workers)
+                     reload_dirs=reload_dirs, allowed_hosts=allowed_hosts, workers=workers, threads=threads)
     print(startup_summary(app.state.batcher.ranker, artifact_dir, host=host, port=port, threads=threads, workers=workers,
                           max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
                           max_body_bytes=max_body_bytes, reload_dirs=reload_dirs, reload_enabled=token is not None,

@@ -379,7 +379,8 @@ def test_the_avx512_and_avx2_builds_agree(fresh_loader):
 def test_scan_top_k_is_the_exact_top_k(dim, dtype):
     """The native retrieval scan against a plain sort: scores, order (higher first, ties to
     the lower row), a mask per query, k beyond what a mask leaves (-inf / -1 padding), rows
-    whose width is not a multiple of the vector, and more rows than its candidate buffer."""
+    whose width is not a multiple of the vector, more rows than its candidate buffer, and a
+    lone query's rows split among threads."""
     g = torch.Generator().manual_seed(dim)
     N = 20_000
     rows = torch.randint(-127, 128, (N, dim), generator=g, dtype=torch.int8)
@@ -405,6 +406,17 @@ def test_scan_top_k_is_the_exact_top_k(dim, dtype):
             assert set(got_i[b, :n_ok].tolist()) - set(want.tolist()) <= set(torch.nonzero(near_tie).flatten().tolist())
             torch.testing.assert_close(got_s[b, :n_ok], s[got_i[b, :n_ok]], rtol=1e-5, atol=1e-5)
             assert (got_s[b, :n_ok - 1] >= got_s[b, 1:n_ok]).all()
+        # A lone query with more threads than queries splits its rows among the threads and
+        # merges their best k: the same list, bit for bit, as one thread scanning it whole.
+        before = torch.get_num_threads()
+        try:
+            for threads in (2, 3):
+                torch.set_num_threads(threads)
+                for b in range(3):
+                    one_s, one_i = fused.scan_top_k(q[b : b + 1], rows, scale, k, mask[b : b + 1])
+                    assert torch.equal(one_i[0], got_i[b]) and torch.equal(one_s[0], got_s[b])
+        finally:
+            torch.set_num_threads(before)
         top = got_i[2, :11].tolist()  # the query equals row 123: row 123 and its ten copies lead, in row order
         if k >= 11:
             assert top == sorted(top) and set(top) == {123, *range(7_000, 7_010)}

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from genrec.models.serving import server as server_module
 from genrec.models.serving.bench import synthetic_request
@@ -333,20 +334,28 @@ def test_a_lone_request_does_not_wait_for_a_batch(artifacts):
 def test_two_workers_rank_two_batches_at_once_and_answer_as_one_does(artifacts):
     """With workers=2 two batches are ranked at the same time (each worker's first batch
     waits at a 2-party barrier inside the ranker: a single worker would never get past it),
-    every answer equals the one-worker server's, and closing stops both workers."""
+    every answer equals the one-worker server's, and closing stops both workers. The
+    thread budget (threads=2) is shared: the batch that starts first takes both threads, the
+    one that starts beside it one; a batch that starts alone takes both."""
     reqs = [synthetic_request(NUM_ITEMS, 50, k=40, n=5, seed=20 + i) for i in range(8)]
     one = create_app(artifacts["v1"], serving_cfg=ServingConfig(max_k=40))
     with serve_in_thread(one) as url, httpx.Client(base_url=url, timeout=60) as c:
         expected = [c.post("/v1/rank", json=r).json() for r in reqs]
-    app = create_app(artifacts["v1"], serving_cfg=ServingConfig(max_k=40), workers=2, max_batch_size=1)
+    threads_before = torch.get_num_threads()
+    app = create_app(artifacts["v1"], serving_cfg=ServingConfig(max_k=40), workers=2, max_batch_size=1, threads=2)
     batcher = app.state.batcher
     ranker, barrier, first = batcher.ranker, threading.Barrier(2, timeout=10), set()
+    threads_seen = {"pair": [], "lone": []}
 
     def rank_batch(batch):
         name = threading.current_thread().name
         if name not in first:
             first.add(name)
             barrier.wait()  # raises BrokenBarrierError unless another worker arrives
+            threads_seen["pair"].append(torch.get_num_threads())
+            barrier.wait()  # both read while both rank
+        elif batch[0].k == 7:
+            threads_seen["lone"].append(torch.get_num_threads())
         return type(ranker).rank_batch(ranker, batch)
 
     ranker.rank_batch = rank_batch
@@ -355,12 +364,18 @@ def test_two_workers_rank_two_batches_at_once_and_answer_as_one_does(artifacts):
     def post(i):
         got[i] = httpx.post(f"{url}/v1/rank", json=reqs[i], timeout=60)
 
-    with serve_in_thread(app) as url:
-        threads = [threading.Thread(target=post, args=(i,)) for i in range(len(reqs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    try:
+        with serve_in_thread(app) as url:
+            threads = [threading.Thread(target=post, args=(i,)) for i in range(len(reqs))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for _ in range(2):  # alone: each worker's next batch, whichever takes it
+                httpx.post(f"{url}/v1/rank", json=dict(reqs[0], k=7), timeout=60).raise_for_status()
+    finally:
+        torch.set_num_threads(threads_before)
+    assert sorted(threads_seen["pair"]) == [1, 2] and threads_seen["lone"] == [2, 2]
     assert [r.status_code for r in got] == [200] * len(reqs)
     assert len(first) == 2
     for r, want in zip(got, expected):
