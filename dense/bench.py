@@ -65,6 +65,19 @@ def _rows_batch(lengths: list[int], g: torch.Generator, dim: int = 64):
     return torch.randn(T, dim, generator=g), offsets, ts
 
 
+def _padded(batch, length: int):
+    """The rows of a (tokens, offsets, timestamps) batch padded to `length` with zero tokens
+    (timestamps repeat the row's last): what a padded implementation computes on."""
+    x, off, ts = batch
+    B = off.numel() - 1
+    lengths = off[1:] - off[:-1]
+    pos = torch.arange(length)
+    valid = pos[None, :] < lengths[:, None]                            # [B, length]
+    src = torch.where(valid, off[:-1, None] + pos[None, :], off[1:, None] - 1)
+    x_pad = torch.where(valid.reshape(-1, 1), x[src.reshape(-1)], 0.0)
+    return x_pad, torch.arange(B + 1) * length, ts[src.reshape(-1)]
+
+
 SL_PROB, SL_MIN = 0.5, 16
 """The stochastic-length setting the bench measures (data.loader.stochastic_length_prob, _min)."""
 
@@ -205,14 +218,19 @@ def _run(quick: bool) -> dict:
         _log(f"{name} ({precision}): HSTU {out[f'hstu_tokens_per_s_{name}']} tok/s, "
              f"Transformer {out[f'transformer_tokens_per_s_{name}']} tok/s")
 
-    # Jagged (length buckets) vs padded (one bucket padded to the longest row), mean = max/4,
-    # on the same batch quick or full: the ratio depends on how many rows the padding spans.
+    # Jagged vs padded, mean = max/4, on the same batch quick or full (the ratio depends on
+    # how many rows the padding spans). Padded: every row padded to the longest, the padding
+    # computed as a padded implementation computes it (through every layer, attended and
+    # masked); one bucket: the jagged tower with all rows in one length bucket (its kernels
+    # skip each row's padding, so this isolates the bucketing).
     n = 1024
     batch = _skewed_batch(n, 16 * n, seed=7)
     t = _side_by_side({"jagged": _step_fn(_cfg("hstu", n), batch),
-                       "padded": _step_fn(_cfg("hstu", n, bucket_min_fill=1e-9), batch)}, reps)
+                       "padded": _step_fn(_cfg("hstu", n), _padded(batch, n)),
+                       "one_bucket": _step_fn(_cfg("hstu", n, bucket_min_fill=1e-9), batch)}, reps)
     _ratio(out, "jagged_vs_padded", t["padded"], t["jagged"])
-    _log(f"jagged vs padded {out['jagged_vs_padded']:.2f}x")
+    _ratio(out, "bucketed_vs_one_bucket", t["one_bucket"], t["jagged"])
+    _log(f"jagged vs padded {out['jagged_vs_padded']:.2f}x, bucketed vs one bucket {out['bucketed_vs_one_bucket']:.2f}x")
 
     # Stochastic length (data.loader.stochastic_length_prob): HSTU on full 4,096-event rows,
     # against the same rows cut as the loader cuts them.
