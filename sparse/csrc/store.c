@@ -376,8 +376,20 @@ int64_t fwd_lookup(const Index *ix, const int64_t *tvd, const int64_t *ids, cons
             ref[loc[u] >> 2] = (uint8_t)(r > ref_max ? ref_max : r);
         }
     }
+    /* Rows are prefetched at their id's first sighting only: a repeated id's row was read
+     * by its first copy and is still in cache (the ids are mostly repeats of hot rows). */
+    int64_t first_ahead = 0; /* uniques numbered by first sighting: the next one not yet met */
+    for (int64_t i = 0; i < n && i < AHEAD; i++) {
+        if (inv[i] == first_ahead) {
+            first_ahead++;
+            prefetch_span(row_ptr(tv, loc[inv[i]]), D * (int64_t)sizeof(float));
+        }
+    }
     for (int64_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) prefetch_span(row_ptr(tv, loc[inv[i + AHEAD]]), D * (int64_t)sizeof(float));
+        if (i + AHEAD < n && inv[i + AHEAD] == first_ahead) {
+            first_ahead++;
+            prefetch_span(row_ptr(tv, loc[inv[i + AHEAD]]), D * (int64_t)sizeof(float));
+        }
         const float *r = row_ptr(tv, loc[inv[i]]);
         float *o = out + i * D;
         for (int64_t d = 0; d < D; d++) o[d] = r[d]; /* inlined and vectorized, unlike memcpy of a runtime size */
