@@ -221,7 +221,7 @@ class SequenceTower(nn.Module):
                 q = q * layer.params.alpha  # on q [B, H, M, d], not on the scores [B, H, M, L]
             s_hist = torch.matmul(q, K.transpose(-1, -2))     # [B, H, M, L]
             s_self = (q * k).sum(-1, keepdim=True)            # [B, H, M, 1]
-            hist_scale = 1.0
+            hist_scale = None
             if self.cfg.kind == "hstu":
                 p = layer.params
                 rab = None
@@ -251,7 +251,7 @@ class SequenceTower(nn.Module):
                 a = torch.softmax(s.float(), dim=-1)
                 a_hist, a_self = a[..., :L], a[..., L:]
             attn = torch.matmul(a_hist.to(V.dtype), V)         # [B, H, M, dv]
-            if not isinstance(hist_scale, float) or hist_scale != 1.0:
+            if hist_scale is not None:
                 attn.mul_(hist_scale)
             attn = attn + a_self.to(v.dtype) * v
             attn = attn.transpose(1, 2).reshape(B, M, -1)

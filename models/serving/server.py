@@ -44,9 +44,9 @@ Concurrent requests are batched dynamically: the batch worker takes what has que
 at most `max_wait_ms` for up to `max_batch_size` while other requests are on their way in (a
 lone request on an idle server goes at once). CPU threads are bounded: `workers` batch worker
 threads (default 1) share a budget of `threads` torch intra-op threads, beside uvicorn's
-single event loop: a lone batch ranks with all of them, two at once with half each. On 2
-cores, `--workers 2 --threads 2` gives a lone request both cores and concurrent requests
-one core each (two batches at once).
+single event loop: a batch that starts alone ranks with all of them, one that starts beside
+another with its share. On 2 cores, `--workers 2 --threads 2` gives a lone request both
+cores and a second concurrent batch one core.
 
 Trust: the manifest's sha256 checksums catch corruption (a truncated copy, a flipped bit),
 not tampering: whoever can write the artifact directory can rewrite the manifest too. What
