@@ -219,7 +219,7 @@ class SequenceTower(nn.Module):
                 continue
             if self.cfg.kind == "hstu" and layer.params.alpha != 1.0:
                 q = q * layer.params.alpha  # on q [B, H, M, d], not on the scores [B, H, M, L]
-            s_hist = torch.matmul(q, K.transpose(-1, -2))     # [B, H, M, L]
+            s_hist = torch.matmul(q.to(K.dtype), K.transpose(-1, -2))  # [B, H, M, L]
             s_self = (q * k).sum(-1, keepdim=True)            # [B, H, M, 1]
             hist_scale = None
             if self.cfg.kind == "hstu":
@@ -232,8 +232,8 @@ class SequenceTower(nn.Module):
                 zero = hist_B.new_zeros(1)
                 rab_self = relative_bias(zero, zero, zero, zero, layer.ts_w, layer.pos_w, p)
                 if rab is not None:
-                    s_hist.add_(rab[:, None])
                     s_self = s_self + rab_self
+                native = shared_time and self.cfg.resolved_kernel == "chunked" and _fused.supports(s_hist)
                 if p.normalizer == "max_seq_len":
                     inv_n = 1.0 / p.max_seq_len
                 elif p.normalizer == "num_keys":
@@ -242,7 +242,13 @@ class SequenceTower(nn.Module):
                     inv_n = 1.0
                 # No mask pass over the scores: a padded key's value row is 0 (HistoryCache),
                 # and 1 / n scales the [B, H, M, dv] product instead.
-                a_hist = F.silu(s_hist, inplace=True)
+                if native:  # SiLU(s + bias) in one pass; every row of a user shares its bias row
+                    a_hist = _fused.bias_silu_(s_hist.view(B, -1, L), None if rab is None else rab.view(B, L))
+                    a_hist = a_hist.view(s_hist.shape)
+                else:
+                    if rab is not None:
+                        s_hist.add_(rab[:, None].to(s_hist.dtype))
+                    a_hist = F.silu(s_hist, inplace=True)
                 hist_scale = inv_n
                 a_self = F.silu(s_self) * inv_n
             else:
@@ -250,7 +256,7 @@ class SequenceTower(nn.Module):
                 s = torch.cat([s_hist.masked_fill(~valid, float("-inf")), s_self], dim=-1) * scale
                 a = torch.softmax(s.float(), dim=-1)
                 a_hist, a_self = a[..., :L], a[..., L:]
-            attn = torch.matmul(a_hist.to(V.dtype), V)         # [B, H, M, dv]
+            attn = torch.matmul(a_hist.to(V.dtype), V).to(v.dtype)  # [B, H, M, dv]
             if hist_scale is not None:
                 attn.mul_(hist_scale)
             attn = attn + a_self.to(v.dtype) * v

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("--max-history", int, "history events used per request (default: the tower's max_seq_len - 1)"),
         ("--max-request-events", int, "events a request may send; more is a 422, not a truncation (default 100000)"),
         ("--micro-batch", int, "candidates scored at once against a cached history (default 512)"),
-        ("--retrieval-block-rows", int, "item-index rows per retrieval block (default 65536)"),
+        ("--retrieval-block-rows", int, "item-index rows per retrieval block (default 1048576)"),
+        ("--history-dtype", str, "cached history and candidate scores: fp32, bf16 or auto (default: bf16 on bf16 CPUs)"),
         ("--advertiser-feature", str, "item feature that allowed_advertisers filters on (default advertiser_id)"),
         ("--ann-nprobe", int, "lists an approximate index scans per query (default: calibrated at export)"),
     ):

@@ -394,6 +394,7 @@ def run(quick: bool) -> dict:
         result["fp32_stage_ms"] = _stage_times(r32, requests[0], k)
         result["int8_stage_ms"] = _stage_times(rankers["int8"], requests[0], k)
         result.update({f"int8_{key}": v for key, v in quality.items()})
+        result.update(_history_dtypes(arts["int8"], scfg, requests, k))
         _log(f"int8/fp32 latency {result['int8_vs_fp32_latency_ratio']:.2f}, memory "
              f"{result['int8_vs_fp32_memory_ratio']:.2f}, AUC change {quality['auc_change']:+.4f}")
     ann_items = 200_000 if quick else 10_000_000
@@ -483,6 +484,30 @@ def _stage_times(ranker, request: dict, k: int, repeats: int = 3) -> dict[str, f
     _, idx = timed("retrieve", lambda: ranker.retrieve(user, k, [{}]))
     timed("rank_candidates", lambda: ranker.score_candidates(cache, [idx[0]], [hist["request_time"]]))
     return steps
+
+
+def _history_dtypes(artifact: Path, scfg, requests: list[dict], k: int) -> dict:
+    """The dtype the served rank step scores in (ServingConfig.history_dtype, "auto" unless
+    set) and what bf16 scores give against fp32: ranking AUC change and largest probability
+    difference (quantization_quality's measures) and the rank step's time, side by side."""
+    import dataclasses
+
+    from genrec.models.serving.ranker import load_artifact
+
+    by = {d: load_artifact(artifact, dataclasses.replace(scfg, history_dtype=d)) for d in ("fp32", "bf16")}
+    q = quantization_quality(by["fp32"], by["bf16"], requests)
+    rank_ms = {d: [] for d in by}
+    for _ in range(3):  # alternating, so drift of the machine falls on both
+        for d, r in by.items():
+            rank_ms[d].append(_stage_times(r, requests[0], k, repeats=5)["rank_candidates"])
+    ratios = [b / f for b, f in zip(rank_ms["bf16"], rank_ms["fp32"])]
+    history = len(requests[0]["item_ids"])
+    return {"score_dtype": str(load_artifact(artifact, scfg).score_dtype(k, history)).removeprefix("torch."),
+            "bf16_history_auc_change": q["auc_change"], "bf16_history_max_abs_prob_diff": q["max_abs_prob_diff"],
+            "bf16_history_num_scored": q["num_scored"],
+            "bf16_history_rank_ms": _percentile(rank_ms["bf16"], 50), "fp32_history_rank_ms": _percentile(rank_ms["fp32"], 50),
+            "bf16_vs_fp32_history_rank_time_ratio": _percentile(ratios, 50),
+            "bf16_vs_fp32_history_rank_time_ratio_spread": _spread(ratios)}
 
 
 def _as_request(d: dict):

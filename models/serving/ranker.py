@@ -19,10 +19,12 @@ One call, four steps (`rank_batch` does them for several requests at once):
    probabilities (e.g. pCTR, pCVR) come from the model's task heads.
 4. Return the top N by the requested task's probability (or the retrieval score).
 
-Parity with the training model (tests/models/test_serving.py): an fp32 artifact reproduces
-`GenerativeRecommender`'s retrieval top K and ranking probabilities within 1e-4 (bit-exact on
-CPU); int8 stays within 0.01 absolute per probability (measured <= 3e-3; ranking AUC change
-~2e-4 and retrieval NDCG@N vs fp32 ~0.99 in `genrec bench serve`); fp16 within 1e-3.
+Parity with the training model (tests/models/serving/test_serving.py): an fp32 artifact
+scored in fp32 (`history_dtype = "fp32"`) reproduces `GenerativeRecommender`'s retrieval top K
+and ranking probabilities within 1e-4; int8 stays within 0.01 absolute per probability
+(measured <= 3e-3; ranking AUC change ~2e-4 and retrieval NDCG@N vs fp32 ~0.99 in `genrec
+bench serve`); fp16 within 1e-3; bf16 scores against the history (the "auto" choice for long
+histories and many candidates on CPUs with native bf16) within 2e-3 (measured ~2e-4).
 
 History rules (documented to clients): events may arrive in any order; they are sorted by
 timestamp (stable), and a history longer than `max_history` keeps its most recent events
@@ -35,6 +37,7 @@ the item index too (unknown items read the default row).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -57,6 +60,12 @@ from genrec.models.serving.artifact import (
 from genrec.models.model import GenerativeRecommender, ModelConfig, retrieval_vectors
 
 RETRIEVAL = "retrieval"
+AUTO_BF16_MIN_SCORES = 1 << 17
+"""history_dtype = "auto" scores in bf16 from this many scores per user and head (candidates
+per micro-batch x history length). Rank step, bf16 / fp32 time on one AVX-512 BF16 thread, 2
+layers: 500 candidates against 1,024 events 0.70 (d_qk 32) / 0.84 (d_qk 16), against 512
+0.77 / 0.90, against 256 0.97; 100 candidates against 1,024 0.97 / 1.10, against 128 1.20
+(converting costs more than small products gain)."""
 
 
 @dataclass(kw_only=True)
@@ -83,6 +92,13 @@ class ServingConfig:
     """Without the native scan (GENREC_DENSE_FUSED=0): item-index rows per matmul + top-k
     block (bounds the score buffer: 4 bytes per row and user of a server batch). One top-k
     over 1M scores costs about a third of 16 over 64K blocks and their merges."""
+    history_dtype: str = "auto"
+    """Dtype of the candidates' scores against the cached history (M-FALCON's [candidates x
+    history] products, the rank step's largest cost): "bf16" (fp32 accumulation; ranking
+    probabilities within about 2e-4 of fp32 in `genrec bench serve`), "fp32" (the training
+    model's arithmetic: served scores equal it), or "auto": bf16 where the CPU multiplies bf16
+    natively (AVX-512 BF16, AMX) and the products are large (`AUTO_BF16_MIN_SCORES`), else
+    fp32. The retrieval user vector is fp32 either way."""
     advertiser_feature: str = "advertiser_id"
     """Item side feature that `allowed_advertisers` filters on."""
     exact_retrieval: bool = False
@@ -201,6 +217,10 @@ class Ranker:
             self._native_scan = fused.library() is not None and self.item_rows_ND.is_contiguous()
             if self.item_scale_N is not None and not self._native_scan:
                 self._int8_blocks = self._pack_int8_index()
+        if self.cfg.history_dtype not in ("fp32", "bf16", "auto"):
+            raise ValueError(f"ServingConfig.history_dtype must be one of ['auto', 'bf16', 'fp32'], "
+                             f"got {self.cfg.history_dtype!r}")
+        self._native_bf16 = fused.has_native_bf16()
         self.side_features = [f for f in self.model.candidate_features if f != features.item]
         max_seq_len = int(m["tower"]["max_seq_len"])
         self.max_k = self.cfg.max_k
@@ -472,6 +492,10 @@ class Ranker:
         offsets_B1 = torch.cat([torch.zeros(1, dtype=torch.int64), counts_B.cumsum(0)])
         ts_C = torch.repeat_interleave(torch.tensor(times, dtype=torch.int64), counts_B)
         states_CD = tokens_CD.new_empty(tokens_CD.shape)
+        dtype = self.score_dtype(int(counts_B.max()), cache.timestamps_BL.shape[1])
+        if cache.keys and cache.keys[0].dtype != dtype:  # once per call, not per micro-batch
+            cache = dataclasses.replace(cache, keys=[k.to(dtype) for k in cache.keys],
+                                        values=[v.to(dtype) for v in cache.values])
         # A candidate's state depends on the history and itself only (the target-aware
         # mask), so neither the chunk size nor the candidate count is bounded by max_seq_len.
         m = self.cfg.micro_batch
@@ -482,6 +506,14 @@ class Ranker:
             chunk_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), (hi_B - lo_B).cumsum(0)])
             states_CD[sel] = self.model.tower.score_targets(cache, tokens_CD[sel], chunk_offsets, ts_C[sel], m)
         return torch.sigmoid(self.model.ranking_logits(self.model.head_input(states_CD, tokens_CD)))
+
+    def score_dtype(self, candidates: int, history: int) -> torch.dtype:
+        """Dtype of the scores of `candidates` per user against a history `history` long
+        (ServingConfig.history_dtype)."""
+        if self.cfg.history_dtype == "auto":
+            big = min(candidates, self.cfg.micro_batch) * history >= AUTO_BF16_MIN_SCORES
+            return torch.bfloat16 if self._native_bf16 and big else torch.float32
+        return torch.bfloat16 if self.cfg.history_dtype == "bf16" else torch.float32
 
     def score_candidates_recompute(self, hist: dict, cand_idx: torch.Tensor, time: int,
                                    rows_per_call: int = 16) -> torch.Tensor:

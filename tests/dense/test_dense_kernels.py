@@ -422,6 +422,30 @@ def test_scan_top_k_is_the_exact_top_k(dim, dtype):
             assert top == sorted(top) and set(top) == {123, *range(7_000, 7_010)}
 
 
+@pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_silu_equals_silu_of_scores_plus_each_groups_bias_row(dtype, with_bias):
+    """The serving path's one-pass SiLU(s + bias): every row of group g adds bias row g, at
+    any thread count; bf16 scores are read, summed and rounded once (not twice as in ATen)."""
+    g = torch.Generator().manual_seed(0)
+    s = (torch.randn(3, 5, 77, generator=g) * 4).to(dtype)  # 77: not a multiple of the vector
+    bias = torch.randn(3, 77, generator=g) if with_bias else None
+    x = s.float() + (bias[:, None] if with_bias else 0)
+    want = (x * torch.sigmoid(x.double()).float()).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = fused.bias_silu_(s.clone(), bias)
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+            else:  # one bf16 rounding of the same float: equal, or one unit apart
+                assert float((got.float() - want.float()).abs().div(want.float().abs().clamp(min=1e-3)).max()) <= 2 ** -7
+    finally:
+        torch.set_num_threads(before)
+
+
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=7),
        min_fill=st.sampled_from([1e-9, 0.5, 0.75, 1.0]), seed=st.integers(0, 2 ** 16))

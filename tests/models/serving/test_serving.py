@@ -16,6 +16,10 @@ from genrec.models.serving.ranker import RankRequest, RequestError, ServingConfi
 NUM_ITEMS = 400
 INT8_PROB_TOLERANCE = 0.01
 """Stated int8 tolerance: max |p_int8 - p_fp32| per candidate and task (measured ~2e-3)."""
+BF16_PROB_TOLERANCE = 2e-3
+"""Stated tolerance of a bf16 history cache (ServingConfig.history_dtype), same measure
+(about 2e-4 at the bench's full size)."""
+EXACT = dict(history_dtype="fp32")
 
 
 HEAD_INPUTS = {"": "state", "wide": "state_and_token", "cross": "cross"}
@@ -32,8 +36,9 @@ def setup(request, tmp_path_factory):
     for dtype in ("fp32", "int8"):
         art = export_artifact(model, {}, root / dtype, dtype=dtype, item_ids=item_ids, item_features=feats,
                               version=f"v-{dtype}", export_program=False)
-        rankers[dtype] = load_artifact(art, ServingConfig(max_k=60, micro_batch=16))
-    rankers["wide"] = load_artifact(root / "fp32", ServingConfig(max_k=300, micro_batch=16))
+        rankers[dtype] = load_artifact(art, ServingConfig(max_k=60, micro_batch=16, **EXACT))
+    rankers["wide"] = load_artifact(root / "fp32", ServingConfig(max_k=300, micro_batch=16, **EXACT))
+    rankers["bf16"] = load_artifact(root / "fp32", ServingConfig(max_k=60, micro_batch=16, history_dtype="bf16"))
     return model, feats, rankers
 
 
@@ -102,6 +107,32 @@ def test_int8_within_stated_tolerance(setup):
     got = torch.tensor([[x["probabilities"]["click"], x["probabilities"]["conversion"]] for x in out["items"]])
     assert float((got - probs).abs().max()) < INT8_PROB_TOLERANCE
     assert out["model_version"] == "v-int8"
+
+
+def test_bf16_history_within_stated_tolerance(setup):
+    """history_dtype = "bf16": the same retrieval (the user vector is computed before the
+    cache is narrowed), ranking probabilities within the stated tolerance, the cache in bf16."""
+    model, feats, rankers = setup
+    req = synthetic_request(NUM_ITEMS, 50, k=60, n=60, seed=2, item_features=feats)
+    out = rankers["bf16"].rank(dict(req, sort_by="retrieval"))
+    exact = rankers["fp32"].rank(dict(req, sort_by="retrieval"))
+    assert [x["item_id"] for x in out["items"]] == [x["item_id"] for x in exact["items"]]
+    ids = torch.tensor([x["item_id"] for x in out["items"]])
+    _, probs = _reference(model, feats, req, ids)
+    got = torch.tensor([[x["probabilities"]["click"], x["probabilities"]["conversion"]] for x in out["items"]])
+    assert 0 < float((got - probs).abs().max()) < BF16_PROB_TOLERANCE
+    assert rankers["bf16"].score_dtype(60, 50) == torch.bfloat16 and rankers["fp32"].score_dtype(60, 50) == torch.float32
+
+
+def test_history_dtype_auto_and_bad_values(setup, tmp_path):
+    """"auto": bf16 for large products on a CPU with native bf16, fp32 otherwise."""
+    _, _, rankers = setup
+    auto = load_artifact(rankers["fp32"].path, ServingConfig(max_k=60, micro_batch=512))
+    big = torch.bfloat16 if fused.has_native_bf16() else torch.float32
+    assert auto.score_dtype(500, 1024) == big and auto.score_dtype(256, 512) == big
+    assert auto.score_dtype(100, 1024) == torch.float32 and auto.score_dtype(500, 128) == torch.float32
+    with pytest.raises(ValueError, match="ServingConfig.history_dtype must be one of"):
+        load_artifact(rankers["fp32"].path, ServingConfig(history_dtype="fp16"))
 
 
 def test_k_beyond_max_seq_len_minus_history(setup):
