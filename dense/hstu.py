@@ -18,7 +18,7 @@ from torch import nn
 
 from .config import TowerConfig
 from .jagged import JaggedLayout
-from .kernels import KERNELS, HSTUAttentionParams
+from .kernels import KERNELS, HSTUAttentionParams, hstu_attention_chunked
 
 
 class HSTUBlock(nn.Module):
@@ -52,8 +52,9 @@ class HSTUBlock(nn.Module):
             self.lowpass_norm = nn.LayerNorm(H * dv, eps=cfg.layer_norm_eps)
             self.lowpass_beta = nn.Parameter(torch.ones(H * dv))
 
-    def project(self, x_TD: torch.Tensor):
-        """-> (u [T, H*dv], q [T, H, dq], k [T, H, dq], v [T, H, dv])."""
+    def project(self, x_TD: torch.Tensor, with_vqk: bool = False):
+        """-> (u [T, H*dv], q [T, H, dq], k [T, H, dq], v [T, H, dv]), and with `with_vqk` the
+        [T, H*(dv + 2 dq)] tensor whose columns v, q and k are (one tensor for the kernel)."""
         H, dq, dv = self.num_heads, self.attention_dim, self.linear_dim
         uvqk = self.uvqk(self.input_norm(x_TD))
         if self.silu_u_only:
@@ -64,7 +65,8 @@ class HSTUBlock(nn.Module):
             u, vqk = uvqk.split([H * dv, H * (dv + 2 * dq)], dim=-1)
         v, q, k = vqk.split([H * dv, H * dq, H * dq], dim=-1)
         shape = x_TD.shape[:-1]
-        return u, q.reshape(*shape, H, dq), k.reshape(*shape, H, dq), v.reshape(*shape, H, dv)
+        out = u, q.reshape(*shape, H, dq), k.reshape(*shape, H, dq), v.reshape(*shape, H, dv)
+        return (*out, vqk) if with_vqk else out
 
     def finish(self, x_TD: torch.Tensor, u: torch.Tensor, attn: torch.Tensor,
                v_lpf: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -106,8 +108,12 @@ class HSTUBlock(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, layout: JaggedLayout, return_kv: bool = False):
         """-> y_TD, or (y_TD, k_THd, v_THd) with return_kv (for the history cache)."""
-        u, q, k, v = self.project(x_TD)
-        attn = self.kernel(q, k, v, layout, self.ts_w, self.pos_w, self.params)
+        if self.kernel is hstu_attention_chunked:  # it gathers q, k and v from their one tensor
+            u, q, k, v, vqk = self.project(x_TD, with_vqk=True)
+            attn = self.kernel(q, k, v, layout, self.ts_w, self.pos_w, self.params, vqk_TC=vqk)
+        else:
+            u, q, k, v = self.project(x_TD)
+            attn = self.kernel(q, k, v, layout, self.ts_w, self.pos_w, self.params)
         v_lpf = self.lowpass(v.flatten(1), layout) if self.lowpass_mix else None
         y = self.finish(x_TD, u, attn.flatten(1), v_lpf)
         return (y, k, v) if return_kv else y
