@@ -394,7 +394,7 @@ def run(quick: bool) -> dict:
         result["fp32_stage_ms"] = _stage_times(r32, requests[0], k)
         result["int8_stage_ms"] = _stage_times(rankers["int8"], requests[0], k)
         result.update({f"int8_{key}": v for key, v in quality.items()})
-        result.update(_history_dtypes(arts["int8"], scfg, requests, k))
+        result.update(_history_dtypes(rankers["int8"], scfg, requests, k))
         _log(f"int8/fp32 latency {result['int8_vs_fp32_latency_ratio']:.2f}, memory "
              f"{result['int8_vs_fp32_memory_ratio']:.2f}, AUC change {quality['auc_change']:+.4f}")
     ann_items = 200_000 if quick else 10_000_000
@@ -445,9 +445,7 @@ def _over_http(artifact: Path, requests: list[dict], k: int, history: int, threa
         # Under load: 4 clients (the headline `qps`, `p99_ms_under_load`), then 16; each
         # client sends its next request when the last is answered.
         for num_clients, suffix in ((4, ""), (16, "_16_clients")):
-            for key, v in _under_load(port, requests, num_clients, quick).items():
-                base, spread = key.removesuffix("_spread"), key.endswith("_spread")
-                out[base + suffix + ("_spread" if spread else "")] = v
+            out.update(_under_load(port, requests, num_clients, quick, suffix))
         out["qps_clients"] = 4
         out["server_batch_size_mean"] = _mean_batch(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
     finally:
@@ -456,9 +454,10 @@ def _over_http(artifact: Path, requests: list[dict], k: int, history: int, threa
     return out
 
 
-def _under_load(port: int, requests: list[dict], num_clients: int, quick: bool) -> dict:
+def _under_load(port: int, requests: list[dict], num_clients: int, quick: bool, suffix: str = "") -> dict:
     """QPS and per-request p99 of `num_clients` closed-loop clients (HTTP_ROUNDS rounds of
-    3 / 30 requests per client), errors, and the server's mean batch over these requests."""
+    3 / 30 requests per client), errors, and the server's mean batch over these requests;
+    each key ends in `suffix` (before "_spread")."""
     import httpx
 
     per_client = 3 if quick else 30
@@ -490,9 +489,11 @@ def _under_load(port: int, requests: list[dict], num_clients: int, quick: bool) 
         qps.append(num_clients * per_client / (time.perf_counter() - t0))
         p99s.append(_percentile(lat, 99))
     after = batches()
-    return {"qps": _percentile(qps, 50), "qps_spread": _spread(qps), "p99_ms_under_load": _percentile(p99s, 50),
-            "p99_ms_under_load_spread": _spread(p99s), "qps_errors": len(errors),
-            "server_batch_size_mean_under_load": (after[0] - before[0]) / max(1.0, after[1] - before[1])}
+    x = suffix
+    return {f"qps{x}": _percentile(qps, 50), f"qps{x}_spread": _spread(qps),
+            f"p99_ms_under_load{x}": _percentile(p99s, 50), f"p99_ms_under_load{x}_spread": _spread(p99s),
+            f"qps_errors{x}": len(errors),
+            f"server_batch_size_mean_under_load{x}": (after[0] - before[0]) / max(1.0, after[1] - before[1])}
 
 
 def _stage_times(ranker, request: dict, k: int, repeats: int = 3) -> dict[str, float]:
@@ -517,15 +518,15 @@ def _stage_times(ranker, request: dict, k: int, repeats: int = 3) -> dict[str, f
     return steps
 
 
-def _history_dtypes(artifact: Path, scfg, requests: list[dict], k: int) -> dict:
-    """The dtype the served rank step scores in (ServingConfig.history_dtype, "auto" unless
-    set) and what bf16 scores give against fp32: ranking AUC change and largest probability
+def _history_dtypes(served, scfg, requests: list[dict], k: int) -> dict:
+    """The dtype the `served` ranker's rank step scores in (ServingConfig.history_dtype, "auto"
+    unless set) and what bf16 scores give against fp32 on its artifact: ranking AUC change and largest probability
     difference (quantization_quality's measures) and the rank step's time, side by side."""
     import dataclasses
 
     from genrec.models.serving.ranker import load_artifact
 
-    by = {d: load_artifact(artifact, dataclasses.replace(scfg, history_dtype=d)) for d in ("fp32", "bf16")}
+    by = {d: load_artifact(served.path, dataclasses.replace(scfg, history_dtype=d)) for d in ("fp32", "bf16")}
     q = quantization_quality(by["fp32"], by["bf16"], requests)
     rank_ms = {d: [] for d in by}
     for _ in range(3):  # alternating, so drift of the machine falls on both
@@ -533,7 +534,7 @@ def _history_dtypes(artifact: Path, scfg, requests: list[dict], k: int) -> dict:
             rank_ms[d].append(_stage_times(r, requests[0], k, repeats=5)["rank_candidates"])
     ratios = [b / f for b, f in zip(rank_ms["bf16"], rank_ms["fp32"])]
     history = len(requests[0]["item_ids"])
-    return {"score_dtype": str(load_artifact(artifact, scfg).score_dtype(k, history)).removeprefix("torch."),
+    return {"score_dtype": str(served.score_dtype(k, history)).removeprefix("torch."),
             "bf16_history_auc_change": q["auc_change"], "bf16_history_max_abs_prob_diff": q["max_abs_prob_diff"],
             "bf16_history_num_scored": q["num_scored"],
             "bf16_history_rank_ms": _percentile(rank_ms["bf16"], 50), "fp32_history_rank_ms": _percentile(rank_ms["fp32"], 50),

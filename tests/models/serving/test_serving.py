@@ -124,7 +124,7 @@ def test_bf16_history_within_stated_tolerance(setup):
     assert rankers["bf16"].score_dtype(60, 50) == torch.bfloat16 and rankers["fp32"].score_dtype(60, 50) == torch.float32
 
 
-def test_history_dtype_auto_and_bad_values(setup, tmp_path):
+def test_history_dtype_auto_and_bad_values(setup):
     """"auto": bf16 for large products on a CPU with native bf16, fp32 otherwise."""
     _, _, rankers = setup
     auto = load_artifact(rankers["fp32"].path, ServingConfig(max_k=60, micro_batch=512))
