@@ -118,8 +118,24 @@ def library() -> ctypes.CDLL | None:
     lib.hstu_tile_bwd.argtypes = [ctypes.POINTER(TileArgs), ctypes.c_void_p, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    # The kernels that allocate scratch say whether it could be (dense/csrc/kernel_status.h).
+    for kernel in _CHECKED:
+        getattr(lib, kernel).restype = ctypes.c_int
     _lib = lib
     return lib
+
+
+_CHECKED = ("scan_top_k", "hstu_time_index", "hstu_tile_fwd", "hstu_tile_bwd", "hstu_attn_fwd", "hstu_attn_bwd")
+NO_MEMORY = 1
+"""What a kernel of `_CHECKED` returns when its scratch could not be allocated."""
+
+
+def _run(kernel: str, *args) -> None:
+    """Call a native kernel of `_CHECKED`; MemoryError naming it where its scratch did not fit
+    (its outputs are undefined then)."""
+    if getattr(library(), kernel)(*args) == NO_MEMORY:
+        raise MemoryError(f"native kernel {kernel}: out of memory for its scratch buffers (a smaller batch, "
+                          f"shorter rows or fewer threads need less)")
 
 
 def supports(*tensors: torch.Tensor | None) -> bool:
@@ -160,13 +176,13 @@ def time_index(ts_GN: torch.Tensor, num_buckets: int, divisor: float,
     args = tile_args(G=G, H=1, bq=N, K=N, N=N, i0=0, P=1, NB=num_buckets, ts=ts_GN, thr=thr,
                      ts_w=None, pos_w=None, pos=None, hist=None, alpha=1.0, divisor=divisor,
                      qts=query_ts_GN)
-    library().hstu_time_index(ctypes.byref(args), out.data_ptr())
+    _run("hstu_time_index", ctypes.byref(args), out.data_ptr())
     return out
 
 
 def tile_forward(args: TileArgs, s: torch.Tensor, a: torch.Tensor) -> None:
     assert s.is_contiguous() and a.is_contiguous()
-    library().hstu_tile_fwd(ctypes.byref(args), s.data_ptr(), _bf(s), a.data_ptr(), _bf(a))
+    _run("hstu_tile_fwd", ctypes.byref(args), s.data_ptr(), _bf(s), a.data_ptr(), _bf(a))
 
 
 def bias_silu_(s: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -199,7 +215,7 @@ def attention_forward(args: TileArgs, q: torch.Tensor, k: torch.Tensor, v: torch
     dv = v.shape[-1]
     kb, q, v = key_blocks(k), q.contiguous(), v.contiguous()
     out = torch.empty(G, H, bq, dv, dtype=torch.float32)
-    library().hstu_attn_fwd(ctypes.byref(args), dq, dv, q.data_ptr(), kb.data_ptr(), v.data_ptr(), out.data_ptr())
+    _run("hstu_attn_fwd", ctypes.byref(args), dq, dv, q.data_ptr(), kb.data_ptr(), v.data_ptr(), out.data_ptr())
     return out
 
 
@@ -215,16 +231,15 @@ def attention_backward(args: TileArgs, q: torch.Tensor, k: torch.Tensor, v: torc
     q, k, dout = q.contiguous(), k.contiguous(), dout.contiguous()
     dq_out, dk_out = torch.empty(G, H, N, dq), torch.empty(G, H, N, dq)
     dv_out = torch.empty(G, H, N, dv)
-    library().hstu_attn_bwd(ctypes.byref(args), dq, dv, q.data_ptr(), kb.data_ptr(), vb.data_ptr(), k.data_ptr(),
-                            dout.data_ptr(), dq_out.data_ptr(), dk_out.data_ptr(), dv_out.data_ptr(),
-                            _ptr(d_ts), _ptr(d_pos))
+    _run("hstu_attn_bwd", ctypes.byref(args), dq, dv, q.data_ptr(), kb.data_ptr(), vb.data_ptr(), k.data_ptr(),
+         dout.data_ptr(), dq_out.data_ptr(), dk_out.data_ptr(), dv_out.data_ptr(), _ptr(d_ts), _ptr(d_pos))
     return dq_out, dk_out, dv_out
 
 
 def tile_backward(args: TileArgs, s, da, a, ds, d_ts, d_pos) -> None:
     assert s.is_contiguous() and da.is_contiguous() and a.is_contiguous() and ds.is_contiguous()
-    library().hstu_tile_bwd(ctypes.byref(args), s.data_ptr(), _bf(s), da.data_ptr(), _bf(da),
-                            a.data_ptr(), _bf(a), ds.data_ptr(), _bf(ds), _ptr(d_ts), _ptr(d_pos))
+    _run("hstu_tile_bwd", ctypes.byref(args), s.data_ptr(), _bf(s), da.data_ptr(), _bf(da),
+         a.data_ptr(), _bf(a), ds.data_ptr(), _bf(ds), _ptr(d_ts), _ptr(d_pos))
 
 
 def scan_top_k(queries_BD: torch.Tensor, rows_ND: torch.Tensor, scale_N: torch.Tensor | None, k: int,
@@ -245,7 +260,6 @@ def scan_top_k(queries_BD: torch.Tensor, rows_ND: torch.Tensor, scale_N: torch.T
     out_s = torch.full((B, k), float("-inf"))
     out_i = torch.full((B, k), -1, dtype=torch.int64)
     found = torch.zeros(B, dtype=torch.int64)
-    library().scan_top_k(q.data_ptr(), B, D, rows_ND.data_ptr(), int(scale is not None), _ptr(scale), N,
-                         _ptr(mask), N, k, out_s.data_ptr(), out_i.data_ptr(), found.data_ptr(),
-                         torch.get_num_threads())
+    _run("scan_top_k", q.data_ptr(), B, D, rows_ND.data_ptr(), int(scale is not None), _ptr(scale), N,
+         _ptr(mask), N, k, out_s.data_ptr(), out_i.data_ptr(), found.data_ptr(), torch.get_num_threads())
     return out_s, out_i

@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <omp.h>
 #include <string.h>
+
+#include "kernel_status.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -216,6 +218,7 @@ static row_plan plan_alloc(const tile_args *t, int64_t K) {
   rp.rrow = malloc(sizeof(int32_t) * (size_t)(K + KB));
   return rp;
 }
+static int plan_ok(const row_plan *rp) { return rp->start && rp->bucket && rp->trow && rp->rrow; }
 static void plan_free(row_plan *rp) { free(rp->start); free(rp->bucket); free(rp->trow); free(rp->rrow); }
 
 /* Keys j in [j0, j1) of a row whose positions are 0, 1, 2, ...: r = pi - j clamped to
@@ -360,7 +363,8 @@ static void row_bias(const tile_args *t, int64_t g, int64_t i, float *brow, floa
   float *drow = malloc(sizeof(float) * (size_t)(K + 1));              \
   float *xrow = malloc(sizeof(float) * (size_t)(K + 1));              \
   int32_t *rrow = malloc(sizeof(int32_t) * (size_t)(K + 1));          \
-  int32_t *trow = malloc(sizeof(int32_t) * (size_t)(K + 1));
+  int32_t *trow = malloc(sizeof(int32_t) * (size_t)(K + 1));          \
+  const int rows_ok = brow && mrow && drow && xrow && rrow && trow;
 #define FREE_ROW_BUFFERS free(brow); free(mrow); free(drow); free(xrow); free(rrow); free(trow);
 
 static inline void load_row(const void *p, int64_t base, int bf, float *out, int64_t K) {
@@ -372,15 +376,18 @@ static inline void store_row(void *p, int64_t base, int bf, const float *in, int
   else memcpy((float *)p + base, in, sizeof(float) * (size_t)K);
 }
 
-void hstu_tile_fwd(const tile_args *t, const void *s, int s_bf, void *a, int a_bf) {
+int hstu_tile_fwd(const tile_args *t, const void *s, int s_bf, void *a, int a_bf) {
   const int64_t K = t->K;
   const float alpha = t->alpha;
+  int oom = 0;
 #pragma omp parallel num_threads(t->nthreads)
   {
     ROW_BUFFERS
+    FLAG_NO_MEMORY(rows_ok)
 #pragma omp for collapse(2) schedule(static)
     for (int64_t g = 0; g < t->G; ++g)
       for (int64_t r = 0; r < t->bq; ++r) {
+        if (!rows_ok) continue;
         const int64_t i = t->i0 + r, Kc = K < i + 1 ? K : i + 1;
         row_bias(t, g, i, brow, mrow, rrow, trow);
         for (int64_t j = Kc; j < K; ++j) xrow[j] = 0.f;
@@ -397,6 +404,7 @@ void hstu_tile_fwd(const tile_args *t, const void *s, int s_bf, void *a, int a_b
       }
     FREE_ROW_BUFFERS
   }
+  return oom ? NO_MEMORY : 0;
 }
 
 /* Candidate scoring against a cached history (dense/tower.py, _score_micro_batch): scores
@@ -431,7 +439,7 @@ void hstu_bias_silu(int64_t R, int64_t L, int64_t rows_per_bias, void *s, int s_
 }
 
 /* d_ts / d_pos: float64 accumulators [NB + 1] / [P], added to (not overwritten). */
-void hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, int da_bf,
+int hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, int da_bf,
                    void *a, int a_bf, void *ds, int ds_bf, double *d_ts, double *d_pos) {
   const int64_t K = t->K;
   const float alpha = t->alpha;
@@ -442,16 +450,24 @@ void hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, 
   const size_t nts = (size_t)t->NB + 1, npos = (size_t)t->P;
   double *all_ts = t->ts ? calloc(nts * (size_t)nthreads, sizeof(double)) : NULL;
   double *all_pos = t->pos_w ? calloc(npos * (size_t)nthreads, sizeof(double)) : NULL;
+  if ((t->ts && !all_ts) || (t->pos_w && !all_pos)) {
+    free(all_ts); free(all_pos);
+    return NO_MEMORY;
+  }
+  int oom = 0;
 #pragma omp parallel num_threads(nthreads)
   {
     ROW_BUFFERS
     float *grow = malloc(sizeof(float) * (size_t)(K + 1));
+    const int ok = rows_ok && grow;
+    FLAG_NO_MEMORY(ok)
     const int tid = omp_get_thread_num();
     double *lts = all_ts ? all_ts + nts * (size_t)tid : NULL;
     double *lpos = all_pos ? all_pos + npos * (size_t)tid : NULL;
 #pragma omp for collapse(2) schedule(static)
     for (int64_t g = 0; g < t->G; ++g)
       for (int64_t r = 0; r < t->bq; ++r) {
+        if (!ok) continue;
         const int64_t i = t->i0 + r, Kc = K < i + 1 ? K : i + 1;
         row_bias(t, g, i, brow, mrow, rrow, trow);
         for (int64_t j = 0; j < K; ++j) drow[j] = 0.f;
@@ -479,24 +495,30 @@ void hstu_tile_bwd(const tile_args *t, const void *s, int s_bf, const void *da, 
     free(grow);
     FREE_ROW_BUFFERS
   }
-  for (int th = 0; th < nthreads; ++th) {
-    if (all_ts) for (size_t b = 0; b < nts; ++b) d_ts[b] += all_ts[nts * (size_t)th + b];
-    if (all_pos) for (size_t b = 0; b < npos; ++b) d_pos[b] += all_pos[npos * (size_t)th + b];
-  }
+  if (!oom)
+    for (int th = 0; th < nthreads; ++th) {
+      if (all_ts) for (size_t b = 0; b < nts; ++b) d_ts[b] += all_ts[nts * (size_t)th + b];
+      if (all_pos) for (size_t b = 0; b < npos; ++b) d_pos[b] += all_pos[npos * (size_t)th + b];
+    }
   free(all_ts); free(all_pos);
+  return oom ? NO_MEMORY : 0;
 }
 
 /* Time bucket of every (query, key) pair of G rows of N tokens, computed once per tower call
  * and shared by all layers and by forward and backward (1 byte per pair). */
-void hstu_time_index(const tile_args *t, uint8_t *out) {
+int hstu_time_index(const tile_args *t, uint8_t *out) {
   const int64_t N = t->N;
+  int oom = 0;
 #pragma omp parallel num_threads(t->nthreads)
   {
     int32_t *row = malloc(sizeof(int32_t) * (size_t)(N + 1));
     int64_t *start = malloc(sizeof(int64_t) * (size_t)(2 * t->NB + 4));
     int32_t *bucket = malloc(sizeof(int32_t) * (size_t)(2 * t->NB + 4));
+    const int ok = row && start && bucket;
+    FLAG_NO_MEMORY(ok)
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < t->G; ++g) {
+      if (!ok) continue;
       const int64_t *ts = t->ts + g * N;
       const int64_t sorted_n = sorted_prefix(ts, N);
       for (int64_t i = 0; i < N; ++i) {
@@ -507,6 +529,7 @@ void hstu_time_index(const tile_args *t, uint8_t *out) {
     }
     free(row); free(start); free(bucket);
   }
+  return oom ? NO_MEMORY : 0;
 }
 
 /* Bias of one visible (query i, key j) pair, for the one key outside a row's visible prefix
@@ -661,13 +684,18 @@ static inline void weighted_sum_rows(const float *a, int64_t as, const float *v,
  * Visibility is the tile's: j <= i and (j < hist or j == i). Each output row is summed by
  * one thread in a fixed order (chunk by chunk, each in key order), so results do not depend
  * on the thread count. */
-void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, const float *kb,
+int hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, const float *kb,
                    const float *v, float *out) {
   const int64_t K = t->K, KP = (K + KB - 1) / KB * KB, H = t->H, bq = t->bq, CW = KEY_CHUNK + KB;
   const int64_t NBLK = (bq + ROWS - 1) / ROWS;
   const float alpha = t->alpha;
   int64_t *sorted_n = calloc((size_t)t->G, sizeof(int64_t)), *lin_n = calloc((size_t)t->G, sizeof(int64_t));
+  if (!sorted_n || !lin_n) {
+    free(sorted_n); free(lin_n);
+    return NO_MEMORY;
+  }
   row_extents(t, K, sorted_n, lin_n);
+  int oom = 0;
 #pragma omp parallel num_threads(t->nthreads)
   {
     float *brow = malloc(sizeof(float) * (size_t)(CW * ROWS));
@@ -676,11 +704,14 @@ void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
     float *qa = malloc(sizeof(float) * (size_t)(H * dq * ROWS));
     float *o = malloc(sizeof(float) * (size_t)(dv * ROWS));
     float *oacc = malloc(sizeof(float) * (size_t)(H * dv * ROWS));
+    const int ok = brow && srow && plan_ok(&rp) && qa && o && oacc;
+    FLAG_NO_MEMORY(ok)
     int64_t nr[ROWS], ir[ROWS];
     float bself[ROWS];
 #pragma omp for collapse(2) schedule(dynamic, 4)
     for (int64_t g = 0; g < t->G; ++g)
       for (int64_t blk = 0; blk < NBLK; ++blk) {
+        if (!ok) continue;
         const int64_t h = t->hist[g], len = t->len ? t->len[g] : t->N;
         int64_t R = 0, nmax = 0;
         for (int64_t r = blk * ROWS; r < bq && r < (blk + 1) * ROWS; ++r) {
@@ -753,6 +784,7 @@ void hstu_attn_fwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
     plan_free(&rp);
   }
   free(sorted_n); free(lin_n);
+  return oom ? NO_MEMORY : 0;
 }
 
 #define BWD_ROWS 8
@@ -832,7 +864,7 @@ static inline void rank_r_rows(const float *s, int64_t ss, const float *x, int64
  * fixed order (dq_i: chunk by chunk, each in key order), so a run repeats its bits for a
  * given thread count. */
 #define SUPER_ROWS (8 * BWD_ROWS)
-void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, const float *kb,
+int hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, const float *kb,
                    const float *vb, const float *k, const float *dout, float *dq_out, float *dk_out,
                    float *dv_out, double *d_ts, double *d_pos) {
   const int64_t K = t->N, KP = (K + KB - 1) / KB * KB, H = t->H, G = t->G, CW = KEY_CHUNK + KB;
@@ -848,6 +880,11 @@ void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
   int64_t *sorted_n = calloc((size_t)G, sizeof(int64_t)), *lin_n = calloc((size_t)G, sizeof(int64_t));
   row_extents(t, K, sorted_n, lin_n);
   float *zeros = calloc((size_t)(CW * ROWS), sizeof(float));
+  if ((t->ts && !all_ts) || (t->pos_w && !all_pos) || !all_dk || !all_dv || !sorted_n || !lin_n || !zeros) {
+    free(all_ts); free(all_pos); free(all_dk); free(all_dv); free(sorted_n); free(lin_n); free(zeros);
+    return NO_MEMORY;
+  }
+  int oom = 0;
 #pragma omp parallel num_threads(nthreads)
   {
     float *brow = malloc(sizeof(float) * (size_t)(CW * BWD_ROWS));  /* per row of the block */
@@ -862,7 +899,9 @@ void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
     int64_t nr[SUPER_ROWS];
     int self[SUPER_ROWS];
     row_plan rp[BWD_ROWS];
-    for (int r = 0; r < BWD_ROWS; ++r) rp[r] = plan_alloc(t, KEY_CHUNK);
+    int ok = brow && drow && arow && srow && xrow && grow && qa && o && qacc;
+    for (int r = 0; r < BWD_ROWS; ++r) rp[r] = plan_alloc(t, KEY_CHUNK), ok = ok && plan_ok(&rp[r]);
+    FLAG_NO_MEMORY(ok)
     const int tid = omp_get_thread_num();
     double *lts = all_ts ? all_ts + nts * (size_t)tid : NULL;
     double *lpos = all_pos ? all_pos + npos * (size_t)tid : NULL;
@@ -870,6 +909,7 @@ void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
 #pragma omp for collapse(2) schedule(static, 1)
     for (int64_t g = 0; g < G; ++g)
       for (int64_t sb = 0; sb < NSB; ++sb) {
+        if (!ok) continue;
         const int64_t h = t->hist[g], s0 = sb * SUPER_ROWS;
         const int64_t len = t->len ? t->len[g] : K;
         int64_t s1 = s0 + SUPER_ROWS < K ? s0 + SUPER_ROWS : K;
@@ -975,6 +1015,10 @@ void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
     free(brow); free(drow); free(arow); free(srow); free(xrow); free(grow); free(qa); free(o); free(qacc);
     for (int r = 0; r < BWD_ROWS; ++r) plan_free(&rp[r]);
   }
+  if (oom) {
+    free(all_ts); free(all_pos); free(all_dk); free(all_dv); free(sorted_n); free(lin_n); free(zeros);
+    return NO_MEMORY;
+  }
   /* the per-thread partial sums, in thread order */
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t e = 0; e < (int64_t)nk; ++e) {
@@ -993,4 +1037,5 @@ void hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, c
     if (all_pos) for (size_t b = 0; b < npos; ++b) d_pos[b] += all_pos[npos * (size_t)th + b];
   }
   free(all_ts); free(all_pos); free(all_dk); free(all_dv); free(sorted_n); free(lin_n); free(zeros);
+  return 0;
 }

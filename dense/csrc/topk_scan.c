@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kernel_status.h"
 #include <omp.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -124,13 +126,14 @@ static void emit(scored *c, int64_t nc, float *out_s, int64_t *out_i, int64_t *f
 }
 
 /* For each of B queries q [B, D]: the best k rows n < N with mask[b * mask_stride + n] != 0
- * (mask NULL: every row) into out_s / out_i [B, k], best first; returns nothing, writes
+ * (mask NULL: every row) into out_s / out_i [B, k], best first; returns 0, or NO_MEMORY
+ * when its scratch could not be allocated (the outputs are then undefined); writes
  * found[b] = how many (fewer than k only when fewer rows pass the mask). rows: int8 [N, D]
  * with scale [N] (rows_int8 = 1) or fp32 [N, D] (scale NULL).
  * With at least as many queries as threads, each thread takes whole queries; with fewer (a
  * lone request), the threads split each query's rows, keep their own best k, and one thread
  * merges them: `ahead` is a total order, so the result is the same either way. */
-void scan_top_k(const float *q, int64_t B, int64_t D, const void *rows, int rows_int8, const float *scale,
+int scan_top_k(const float *q, int64_t B, int64_t D, const void *rows, int rows_int8, const float *scale,
                 int64_t N, const uint8_t *mask, int64_t mask_stride, int64_t k, float *out_s, int64_t *out_i,
                 int64_t *found, int64_t nthreads) {
   const int64_t cap = 4 * k > 4096 ? 4 * k : 4096;
@@ -138,17 +141,25 @@ void scan_top_k(const float *q, int64_t B, int64_t D, const void *rows, int rows
   const int64_t T = split ? nthreads : 1;
   scored *merged = split ? malloc(sizeof(scored) * (size_t)(T * k)) : NULL;
   int64_t *kept = split ? calloc((size_t)T, sizeof(int64_t)) : NULL;
+  if (split && (!merged || !kept)) {
+    free(merged); free(kept);
+    return NO_MEMORY;
+  }
+  int oom = 0;
 #pragma omp parallel num_threads(nthreads)
   {
     scored *cand = malloc(sizeof(scored) * (size_t)(cap + SCAN_BLOCK));
     float *buf = malloc(sizeof(float) * SCAN_BLOCK);
+    const int ok = cand && buf;
+    FLAG_NO_MEMORY(ok)
     if (split) {
       const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
       for (int64_t b = 0; b < B; ++b) {
         const uint8_t *mb = mask ? mask + b * mask_stride : NULL;
         const int64_t per = (N + nt - 1) / nt, lo = t * per < N ? t * per : N, hi = lo + per < N ? lo + per : N;
-        kept[t] = scan_range(q + b * D, D, rows, rows_int8, scale, mb, lo, hi, k, cap, cand, buf);
-        memcpy(merged + t * k, cand, sizeof(scored) * (size_t)kept[t]);
+        /* a thread without scratch keeps nothing but still meets both barriers */
+        kept[t] = ok ? scan_range(q + b * D, D, rows, rows_int8, scale, mb, lo, hi, k, cap, cand, buf) : 0;
+        if (kept[t]) memcpy(merged + t * k, cand, sizeof(scored) * (size_t)kept[t]);
 #pragma omp barrier
 #pragma omp single
         {
@@ -164,6 +175,7 @@ void scan_top_k(const float *q, int64_t B, int64_t D, const void *rows, int rows
     } else {
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < B; ++b) {
+        if (!ok) continue;
         const int64_t nc = scan_range(q + b * D, D, rows, rows_int8, scale, mask ? mask + b * mask_stride : NULL,
                                       0, N, k, cap, cand, buf);
         emit(cand, nc, out_s + b * k, out_i + b * k, found + b);
@@ -172,4 +184,5 @@ void scan_top_k(const float *q, int64_t B, int64_t D, const void *rows, int rows
     free(cand); free(buf);
   }
   free(merged); free(kept);
+  return oom ? NO_MEMORY : 0;
 }

@@ -482,3 +482,52 @@ def test_bucket_gather_puts_each_row_once_zero_pads_and_inverts_with_gradients(l
     w2 = torch.randn(T, 3, dtype=torch.float64, generator=g)
     (gx2,) = torch.autograd.grad((back * w2).sum(), x)
     torch.testing.assert_close(gx2, w2)
+
+
+_SCRATCH_OUT_OF_REACH = """
+import resource, sys
+import torch
+from genrec.dense import fused
+
+torch.set_num_threads(8)  # the backward's scratch: dk and dv sums per thread, 8x each
+G, H, N, d = 1024, 2, 64, 32  # 4M floats (16 MB) per [G, H, N, d] tensor
+q, k, v, dout = (torch.randn(G, H, N, d) for _ in range(4))
+hist = torch.full((G,), N, dtype=torch.int64)
+pos = torch.arange(N).repeat(G, 1).contiguous()
+
+
+def backward():
+    args = fused.tile_args(G=G, H=H, bq=N, K=N, N=N, i0=0, P=N, NB=1, ts=None, thr=None, ts_w=None,
+                           pos_w=None, pos=pos, hist=hist, alpha=1.0, divisor=1.0)
+    return fused.attention_backward(args, q, k, v, dout, None, None)
+
+
+want = backward()  # also starts the 8 OpenMP threads (their stacks) before the limit
+del want
+with open("/proc/self/status") as f:
+    used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+# The call's own outputs and key blocks (about 6 x 16 MB) fit; 8 threads' dk + dv sums (256 MB) do not.
+resource.setrlimit(resource.RLIMIT_AS, (used + 160 * 2**20, resource.RLIM_INFINITY))
+try:
+    backward()
+except MemoryError as e:
+    print("MemoryError:", e)
+    sys.exit(0)
+sys.exit("no MemoryError")
+"""
+
+
+@pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
+@pytest.mark.skipif(platform.system() != "Linux", reason="RLIMIT_AS and /proc/self/status are Linux's")
+def test_a_kernel_whose_scratch_does_not_fit_raises_memory_error_naming_it():
+    """A native kernel whose scratch cannot be allocated returns an error that Python turns
+    into MemoryError naming the kernel (it used to write through a null pointer): the
+    attention backward under an address-space limit that its outputs fit and its per-thread
+    gradient sums do not, in a process of its own."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _SCRATCH_OUT_OF_REACH], capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "MemoryError: native kernel hstu_attn_bwd: out of memory" in run.stdout
