@@ -98,7 +98,13 @@ class _GroupExchange:
     forward (split counts; ids, counts and table numbers; rows) and one in the backward
     (gradients), whatever the number of tables. One exchange per table made a 2-rank step
     of the demo model (7 tables) about 28 gloo collectives, each a round trip between the
-    ranks. Rows of tables of different widths travel zero-padded to the widest."""
+    ranks. Rows of tables of different widths travel zero-padded to the widest.
+
+    On the owner, the received (table, id) pairs are grouped by one sort for all tables,
+    not a selection and a torch.unique per table: table t's unique ids are `owner_ids[t]`
+    (ascending, as torch.unique gives them) with their summed counts `owner_counts[t]`,
+    and `inv_R` maps each received pair to its place in the tables' concatenated unique
+    ids (`_U`), which rows and gradients use in one gather / one index_add each."""
 
     def __init__(self, uniq_per_table: list[torch.Tensor], cnt_per_table: list[torch.Tensor], dims: list[int],
                  group) -> None:
@@ -106,39 +112,47 @@ class _GroupExchange:
         ids_L = torch.cat(uniq_per_table)
         table_L = torch.repeat_interleave(torch.arange(len(dims)), torch.tensor(self.sizes), output_size=ids_L.numel())
         self.ex = _Exchange(ids_L, group)
-        recv = self.ex.to_owner(torch.stack([ids_L, torch.cat(cnt_per_table), table_L], dim=1))
-        self.num_received = recv.shape[0]
-        self.rows_R: torch.Tensor | None = None
-        # Per table on this (owner) rank: positions in the received list, and their unique ids.
-        self.owner: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for t in range(len(dims)):
-            sel_R = (recv[:, 2] == t).nonzero().squeeze(1)
-            ids_U, inv_R = torch.unique(recv[sel_R, 0], return_inverse=True)
-            cnt_U = torch.zeros_like(ids_U).index_add_(0, inv_R, recv[sel_R, 1])
-            self.owner.append((sel_R, ids_U, inv_R, cnt_U))
+        ids_R, cnt_R, table_R = self.ex.to_owner(torch.stack([ids_L, torch.cat(cnt_per_table), table_L], dim=1)
+                                                 ).unbind(1)
+        # Table-major, id-minor order of the received pairs (two stable sorts).
+        by_id = torch.argsort(ids_R, stable=True)
+        order = by_id[torch.argsort(table_R[by_id], stable=True)]
+        table_S, ids_S = table_R[order], ids_R[order]
+        first_S = torch.ones_like(ids_S, dtype=torch.bool)
+        first_S[1:] = (table_S[1:] != table_S[:-1]) | (ids_S[1:] != ids_S[:-1])
+        place_S = torch.cumsum(first_S, 0) - 1
+        self.inv_R = torch.empty_like(place_S)
+        self.inv_R[order] = place_S
+        num_U = int(first_S.sum())
+        cnt_U = torch.zeros(num_U, dtype=cnt_R.dtype).index_add_(0, place_S, cnt_R[order])
+        self.owner_sizes = torch.bincount(table_S[first_S], minlength=len(dims)).tolist()
+        self.owner_ids = list(ids_S[first_S].split(self.owner_sizes))
+        self.owner_counts = list(cnt_U.split(self.owner_sizes))
+        self.rows_U: torch.Tensor | None = None
 
     def put_rows(self, t: int, rows_UD: torch.Tensor) -> None:
-        """Table t's rows for its owner-side unique ids (in `owner[t]`'s order)."""
-        sel_R, _, inv_R, _ = self.owner[t]
-        if self.rows_R is None:
-            self.rows_R = rows_UD.new_zeros(self.num_received, self.width)
-        self.rows_R[sel_R.to(rows_UD.device), : self.dims[t]] = rows_UD[inv_R.to(rows_UD.device)]
+        """Table t's rows for its owner-side unique ids (in `owner_ids[t]`'s order)."""
+        if self.rows_U is None:
+            self.rows_U = rows_UD.new_zeros(sum(self.owner_sizes), self.width)
+        start = sum(self.owner_sizes[:t])
+        self.rows_U[start : start + self.owner_sizes[t], : self.dims[t]] = rows_UD
 
     def rows_back(self) -> list[torch.Tensor]:
         """Each table's rows for this rank's unique ids [L_t, D_t], from their owners."""
-        rows_L = self.ex.from_owner(self.rows_R)
+        rows_U = self.rows_U if self.rows_U is not None else torch.zeros(0, self.width)
+        rows_L = self.ex.from_owner(rows_U[self.inv_R.to(rows_U.device)])
         return [part[:, :d] for part, d in zip(rows_L.split(self.sizes), self.dims)]
 
     def grads_to_owner(self, grads_per_table: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per-table gradients of this rank's unique ids -> each table's gradients summed per
-        owner-side unique id (`owner[t]`'s order)."""
+        owner-side unique id (`owner_ids[t]`'s order)."""
         padded = torch.cat([F.pad(g, (0, self.width - g.shape[1])) for g in grads_per_table])
         grad_R = self.ex.to_owner(padded)
-        out = []
-        for (sel_R, ids_U, inv_R, _), d in zip(self.owner, self.dims):
-            g = grad_R[sel_R.to(grad_R.device), :d]
-            out.append(g.new_zeros(ids_U.numel(), d).index_add_(0, inv_R.to(g.device), g))
-        return out
+        # Each unique id's gradients are added in the order they were received, as a
+        # per-table index_add over the received rows adds them.
+        grad_U = grad_R.new_zeros(sum(self.owner_sizes), self.width).index_add_(0, self.inv_R.to(grad_R.device),
+                                                                              grad_R)
+        return [part[:, :d].contiguous() for part, d in zip(grad_U.split(self.owner_sizes), self.dims)]
 
 
 class _GroupCall:
@@ -159,7 +173,7 @@ class _GroupCall:
             return
         grads_U = self.ex.grads_to_owner([self.grads[i] for i in range(len(self.stores))])
         for e in self.apply_order:
-            _apply_rows_grad(self.stores[e], self.ex.owner[e][1], grads_U[e], self.admitted[e], self.locations[e],
+            _apply_rows_grad(self.stores[e], self.ex.owner_ids[e], grads_U[e], self.admitted[e], self.locations[e],
                              self.now)
 
 
@@ -385,7 +399,7 @@ class TieredEmbeddingCollection(nn.Module):
         ex = _GroupExchange(list(uniq), list(counts), [s.dim for s in stores], self.group)
         admitted, locations = [], []
         for t, store in enumerate(stores):
-            _, ids_U, _, cnt_U = ex.owner[t]
+            ids_U, cnt_U = ex.owner_ids[t], ex.owner_counts[t]
             if train:
                 rows_UD, adm = store.lookup_train(ids_U, cnt_U, now)
                 admitted.append(adm)
