@@ -14,7 +14,9 @@ ranks the extra time over 1 rank (communication and waiting). Every rank runs on
 ranks take turns ROUNDS[quick] times; `scaling_2rank_vs_1rank` is the median round's
 (`_spread`: over the rounds), and the other figures are that round's. `per_step_ms_2rank`
 splits a 2-rank step (rank 0, a few steps under the profiler) into the spans of the
-store's all-to-alls, DDP's all-reduce (beside the backward) and the rest.
+store's all-to-alls, DDP's all-reduce (beside the backward) and the rest; from the timed
+steps themselves (no profiler), it splits the time in the store's all-to-alls into waiting
+for the other rank to arrive and the collective's own time once both are in.
 """
 
 from __future__ import annotations
@@ -117,16 +119,30 @@ def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int) -
     # Built once, outside the timed steps: a tower per step added about 1 ms to each.
     matmul_params = _tower_matmul_params(cfg)
     sparse_s[0], flops, samples, tokens = 0.0, 0.0, 0, 0
+    exchanges: list[tuple[float, float]] = []
+    all_to_all = torch.distributed.all_to_all_single
+
+    def timed_all_to_all(*args, **kwargs):  # the store's exchanges: when this rank entered and left each
+        t = time.perf_counter()
+        out = all_to_all(*args, **kwargs)
+        exchanges.append((t, time.perf_counter()))
+        return out
+
+    torch.distributed.all_to_all_single = timed_all_to_all
     t0, cpu0 = time.perf_counter(), time.thread_time()
-    for _ in range(steps):
-        batch = next(batches)
-        trainer.train_step(batch)
-        flops += _tower_flops(cfg, batch, matmul_params)
-        samples += batch.batch_size
-        tokens += batch.num_tokens
+    try:
+        for _ in range(steps):
+            batch = next(batches)
+            trainer.train_step(batch)
+            flops += _tower_flops(cfg, batch, matmul_params)
+            samples += batch.batch_size
+            tokens += batch.num_tokens
+    finally:
+        torch.distributed.all_to_all_single = all_to_all
     out = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.thread_time() - cpu0, "samples": samples,
            "tokens": tokens, "flops": flops, "sparse_forward_s": sparse_s[0]}
     if trainer.dist.world_size > 1:
+        out.update(_all_to_all_waits(exchanges, steps))
         profiled = min(5, steps)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t1 = time.perf_counter()
@@ -139,6 +155,23 @@ def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int) -
                 spans[e.name[5:]] += e.cpu_time_total / 1e3
         out["alltoall_ms"], out["allreduce_ms"] = spans["all_to_all"] / profiled, spans["all_reduce"] / profiled
     return out
+
+
+def _all_to_all_waits(spans: list[tuple[float, float]], steps: int) -> dict:
+    """Rank 0's all-to-alls split, per step, into waiting for the other ranks to arrive (the
+    last rank's entry minus this rank's) and the collective's own time once all were there
+    (this rank's exit minus the last entry), from every rank's (entry, exit) times on the
+    machine's monotonic clock (perf_counter: one clock for all processes of a machine,
+    which the bench's ranks share). Collective: every rank calls it."""
+    every: list[list[tuple[float, float]]] = [[] for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather_object(every, spans)
+    mine = every[0]
+    last_in = [max(rank[c][0] for rank in every) for c in range(len(mine))]
+    own = sorted(1e3 * (out - last) for (_, out), last in zip(mine, last_in))
+    return {"alltoall_per_step": len(mine) / steps,
+            "alltoall_wait_for_other_rank_ms": sum(1e3 * (last - t) for (t, _), last in zip(mine, last_in)) / steps,
+            "alltoall_own_ms": sum(own) / steps,
+            "alltoall_own_median_ms": own[len(own) // 2] if own else 0.0}
 
 
 _RANK = """
@@ -274,6 +307,11 @@ def run(quick: bool = False) -> dict:
         # of the store's all-to-alls and DDP's all-reduce, and the rest ("compute").
         "per_step_ms_2rank": {"step": 1e3 * per_step_2, "cpu": 1e3 * two["cpu_seconds"] / steps,
                               "waiting": 1e3 * (two["seconds"] - two["cpu_seconds"]) / steps,
+                              # measured without the profiler, from both ranks' clocks
+                              "alltoall_calls": two["alltoall_per_step"],
+                              "alltoall_wait_for_other_rank": two["alltoall_wait_for_other_rank_ms"],
+                              "alltoall_own": two["alltoall_own_ms"],
+                              "alltoall_own_median_per_call": two["alltoall_own_median_ms"],
                               "profiled_step": two["profiled_step_ms"],
                               "alltoall": two["alltoall_ms"], "allreduce": two["allreduce_ms"],
                               "compute": two["profiled_step_ms"] - two["alltoall_ms"]},
