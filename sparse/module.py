@@ -139,8 +139,7 @@ class _GroupExchange:
 
     def rows_back(self) -> list[torch.Tensor]:
         """Each table's rows for this rank's unique ids [L_t, D_t], from their owners."""
-        rows_U = self.rows_U if self.rows_U is not None else torch.zeros(0, self.width)
-        rows_L = self.ex.from_owner(rows_U[self.inv_R.to(rows_U.device)])
+        rows_L = self.ex.from_owner(self.rows_U[self.inv_R.to(self.rows_U.device)])
         return [part[:, :d] for part, d in zip(rows_L.split(self.sizes), self.dims)]
 
     def grads_to_owner(self, grads_per_table: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -880,11 +880,8 @@ int hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, co
   int64_t *sorted_n = calloc((size_t)G, sizeof(int64_t)), *lin_n = calloc((size_t)G, sizeof(int64_t));
   row_extents(t, K, sorted_n, lin_n);
   float *zeros = calloc((size_t)(CW * ROWS), sizeof(float));
-  if ((t->ts && !all_ts) || (t->pos_w && !all_pos) || !all_dk || !all_dv || !sorted_n || !lin_n || !zeros) {
-    free(all_ts); free(all_pos); free(all_dk); free(all_dv); free(sorted_n); free(lin_n); free(zeros);
-    return NO_MEMORY;
-  }
-  int oom = 0;
+  int oom = (t->ts && !all_ts) || (t->pos_w && !all_pos) || !all_dk || !all_dv || !sorted_n || !lin_n || !zeros;
+  if (oom) goto done;
 #pragma omp parallel num_threads(nthreads)
   {
     float *brow = malloc(sizeof(float) * (size_t)(CW * BWD_ROWS));  /* per row of the block */
@@ -1015,10 +1012,7 @@ int hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, co
     free(brow); free(drow); free(arow); free(srow); free(xrow); free(grow); free(qa); free(o); free(qacc);
     for (int r = 0; r < BWD_ROWS; ++r) plan_free(&rp[r]);
   }
-  if (oom) {
-    free(all_ts); free(all_pos); free(all_dk); free(all_dv); free(sorted_n); free(lin_n); free(zeros);
-    return NO_MEMORY;
-  }
+  if (oom) goto done;
   /* the per-thread partial sums, in thread order */
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t e = 0; e < (int64_t)nk; ++e) {
@@ -1036,6 +1030,7 @@ int hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, co
     if (all_ts) for (size_t b = 0; b < nts; ++b) d_ts[b] += all_ts[nts * (size_t)th + b];
     if (all_pos) for (size_t b = 0; b < npos; ++b) d_pos[b] += all_pos[npos * (size_t)th + b];
   }
+done:
   free(all_ts); free(all_pos); free(all_dk); free(all_dv); free(sorted_n); free(lin_n); free(zeros);
-  return 0;
+  return oom ? NO_MEMORY : 0;
 }

@@ -524,10 +524,11 @@ def test_a_kernel_whose_scratch_does_not_fit_raises_memory_error_naming_it():
     into MemoryError naming the kernel (it used to write through a null pointer): the
     attention backward under an address-space limit that its outputs fit and its per-thread
     gradient sums do not, in a process of its own."""
+    import os
     import subprocess
     import sys
 
     run = subprocess.run([sys.executable, "-c", _SCRATCH_OUT_OF_REACH], capture_output=True, text=True,
-                         timeout=300, env={**__import__("os").environ, "OMP_WAIT_POLICY": "PASSIVE"})
+                         timeout=300, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     assert run.returncode == 0, run.stdout + run.stderr
     assert "MemoryError: native kernel hstu_attn_bwd: out of memory" in run.stdout
