@@ -63,11 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delta-since", help="a base artifact: write only the rows changed since it (apply-delta)")
 
     p = sub.add_parser("eval", help="offline evaluation report")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory or exported artifact")
+    p.add_argument("--checkpoint", nargs="+", required=True, help="checkpoint dir or artifact (several: seeds of one recipe)")
     p.add_argument("--data", required=True, help="prepared data directory")
     p.add_argument("--split", default="test", choices=["valid", "test"])
     p.add_argument("--out", required=True)
-    p.add_argument("--compare", help="a second checkpoint for a paired comparison")
+    p.add_argument("--compare", nargs="+", help="checkpoint(s) for a paired comparison")
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("serve", help="HTTP ranking server")

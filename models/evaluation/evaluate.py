@@ -28,7 +28,8 @@ row's last event is the held-out target, everything before it the user's history
   the train split) and, when the source logs carry `genrec synth`'s planted `p_click`,
   `oracle` for the click task (`models/evaluation/baselines.py`). `compare` evaluates a
   second checkpoint on the same rows in the same order and adds a paired bootstrap of the
-  differences.
+  differences. Several runs per side (seeds of two recipes) add each pair's comparison
+  and that of the two recipes' per-user means over their runs.
 - Bootstrap CIs (users resampled) of the headline figures, and of HR@10 / NDCG@10 in every
   retrieval slice (`slices.retrieval.<column>.<value>.ci.<metric>`), deterministic for `seed`.
 
@@ -62,6 +63,7 @@ from genrec.data.loader import LoaderConfig, make_loader
 from genrec.data.prepare import load_manifest
 from genrec.models.evaluation.baselines import AD_RATE, ORACLE, ORACLE_TASK, AdRateScorer, OracleScorer
 from genrec.models.evaluation.metrics import (
+    MeanOfRuns,
     RankingMetrics,
     RetrievalMetrics,
     bootstrap_ci,
@@ -382,16 +384,39 @@ def _check_labels(rows: _Rows, labels: list[str], split_dir: Path) -> None:
                          f"(user {user}); labels must be 0 or 1")
 
 
+def _run_comparisons(runs_a: list, runs_b: list, boot: dict) -> dict[str, dict]:
+    """Paired comparisons of the runs of recipe A with those of recipe B (report keys): one
+    run each, keyed by B's name, as always. Several: each pair (A's i-th run minus B's i-th,
+    when both give as many) and the mean of A's runs minus the mean of B's (`MeanOfRuns`)."""
+    if len(runs_a) == 1:
+        a = runs_a[0]
+        return {b.name: compare_models(a.retrieval, b.retrieval, a.ranking, b.ranking, **boot) for b in runs_b}
+    if not runs_b:
+        return {}
+    out = {}
+    if len(runs_a) == len(runs_b):
+        for a, b in zip(runs_a, runs_b):
+            out[f"{a.name} minus {b.name}"] = compare_models(a.retrieval, b.retrieval, a.ranking, b.ranking, **boot)
+    means = []
+    for runs in (runs_a, runs_b):
+        ranking = [r.ranking for r in runs if r.ranking is not None]
+        mean = MeanOfRuns([r.retrieval for r in runs], ranking if len(ranking) == len(runs) else [])
+        means.append((mean, mean if mean.tasks else None))
+    label = f"mean of {len(runs_a)} runs minus mean of {len(runs_b)} compare runs"
+    out[label] = compare_models(means[0][0], means[1][0], means[0][1], means[1][1], **boot)
+    return out
+
+
 # --------------------------------------------------------------------------- the run
 
 
 def run_evaluation(
-    checkpoint: str | Path,
+    checkpoint: str | Path | list[str | Path],
     data_dir: str | Path,
     split: str = "test",
     *,
     out_dir: str | Path,
-    compare: str | Path | None = None,
+    compare: str | Path | list[str | Path] | None = None,
     seed: int = 0,
     slice_columns: list[str] | None = None,
     ranking_candidates: int | None = None,
@@ -401,6 +426,10 @@ def run_evaluation(
     progress: bool = True,
 ) -> Path:
     """Evaluate `checkpoint` (and `compare`) on `data_dir/split`; write the report to `out_dir`.
+
+    Either may be several runs of one recipe (e.g. seeds): the report's model is the first
+    checkpoint, every other run is a column beside it, and the comparisons are per pair of
+    runs and of the two recipes' means over their runs (`_run_comparisons`).
 
     slice_columns: sparse data columns to slice by (the target event's value); None: category_id
     when the data has it. ranking_candidates: events per row scored by the ranking head; None:
@@ -425,11 +454,16 @@ def run_evaluation(
     if ranking_candidates < 1:
         raise ValueError(f"ranking_candidates must be >= 1, got {ranking_candidates}")
 
-    models = [load_scored(checkpoint, data_dir)]
-    if compare is not None:
-        models.append(load_scored(compare, data_dir))
-        if models[1].name in (models[0].name, POPULARITY):
-            models[1].name += " (compare)"
+    runs_a = [checkpoint] if isinstance(checkpoint, (str, Path)) else list(checkpoint)
+    runs_b = [] if compare is None else [compare] if isinstance(compare, (str, Path)) else list(compare)
+    if not runs_a:
+        raise ValueError("checkpoint: no checkpoint given")
+    models = [load_scored(c, data_dir) for c in runs_a + runs_b]
+    names = {POPULARITY}
+    for i, scored in enumerate(models):
+        if i and scored.name in names:  # two runs of one name (e.g. run directories of the same name)
+            scored.name += " (compare)" if i == len(runs_a) else f" ({i + 1})"
+        names.add(scored.name)
     columns = {"user_type": USER_TYPE_VALUES, "history_length": bucket_labels(HISTORY_EDGES),
                "item_popularity": POPULARITY_VALUES, **{c: None for c in slice_columns}}
     for scored in models:
@@ -524,17 +558,18 @@ def run_evaluation(
     for other in models[1:]:
         report["baselines"][other.name] = _section(other.retrieval, other.retrieval_slices, other.ranking,
                                                    other.ranking_slices, **boot)
-        report["comparisons"][other.name] = compare_models(main.retrieval, other.retrieval, main.ranking,
-                                                           other.ranking, num_resamples=num_resamples, seed=seed)
+    report["comparisons"].update(_run_comparisons(models[: len(runs_a)], models[len(runs_a):], boot))
     report["config"] = {
-        "eval": {"checkpoint": str(checkpoint), "data": str(data_dir), "split": split,
-                 "compare": None if compare is None else str(compare), "seed": seed, "ks": list(EVAL_KS),
+        "eval": {"checkpoint": str(runs_a[0]), "data": str(data_dir), "split": split,
+                 "compare": ([str(c) for c in runs_b] if len(runs_b) > 1 else str(runs_b[0]) if runs_b else None),
+                 **({"runs": [str(c) for c in runs_a]} if len(runs_a) > 1 else {}),
+                 "seed": seed, "ks": list(EVAL_KS),
                  "num_users": main.retrieval.count, "ranking_candidates": ranking_candidates,
                  "new_user_events": new_user_events, "history_edges": list(HISTORY_EDGES),
                  "slice_columns": slice_columns, "num_resamples": num_resamples,
                  "corpus_items": len(main.item_corpus)},
         "run": main.config,
-        **({"compare_run": models[1].config} if len(models) > 1 else {}),
+        **({"compare_run": models[len(runs_a)].config} if runs_b else {}),
     }
     report["data_manifest_checksums"] = _manifest_checksums(data_dir, manifest)
     report["versions"] = collect_versions()

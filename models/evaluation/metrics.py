@@ -523,3 +523,27 @@ def compare_models(a_retrieval: RetrievalMetrics | None, b_retrieval: RetrievalM
                 a_pu["logloss_sum"], b_pu["logloss_sum"], a_pu["count"], b_pu["count"],
                 num_resamples, confidence, seed)
     return out
+
+
+class MeanOfRuns:
+    """Several runs of one recipe (e.g. seeds) evaluated on the same users, as one model for
+    `compare_models`: each user's per-user values averaged over the runs. A paired bootstrap
+    of two such means over users compares the recipes with the training noise of each run
+    averaged out, where one pair of runs leaves it in (its interval is wider than the
+    recipes' difference warrants, and another seed can land on the other side)."""
+
+    def __init__(self, retrieval: list[RetrievalMetrics], ranking: list[RankingMetrics]) -> None:
+        self.retrieval_runs, self.ranking_runs = retrieval, ranking
+        self.tasks = sorted(set.intersection(*(set(r.tasks) for r in ranking))) if ranking else []
+
+    def per_user(self, task: str | None = None) -> dict[str, np.ndarray]:
+        if task is None:  # retrieval
+            values = [r.per_user() for r in self.retrieval_runs]
+            return {k: np.mean([v[k] for v in values], axis=0) for k in values[0]}
+        values = [r.per_user(task) for r in self.ranking_runs]
+        for v in values[1:]:
+            if not np.array_equal(v["user_ids"], values[0]["user_ids"]):
+                raise ValueError(f"MeanOfRuns: task '{task}' was evaluated on different users by the runs")
+        # A user without an AUC in some run (NaN) stays without one in the mean.
+        return {k: (values[0][k] if k == "user_ids" else np.mean([v[k] for v in values], axis=0))
+                for k in values[0]}

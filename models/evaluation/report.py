@@ -165,7 +165,8 @@ def _markdown(report: Mapping[str, Any], plot_files: Sequence[str]) -> str:
         lines += _table(header, rows)
 
     for baseline, comparison in report.get("comparisons", {}).items():
-        lines += [f"## {name} minus {baseline} (paired bootstrap over users)", ""]
+        title = baseline if " minus " in baseline else f"{name} minus {baseline}"  # several runs: named in full
+        lines += [f"## {title} (paired bootstrap over users)", ""]
         rows = [[key, c.get("diff"), f"[{_fmt(c.get('low'))}, {_fmt(c.get('high'))}]",
                  _fmt_p(c.get("p_value"), c.get("num_resamples"))] for key, c in comparison.items()]
         lines += _table(["metric", "difference", "CI", "p-value"], rows)

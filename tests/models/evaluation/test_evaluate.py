@@ -223,6 +223,27 @@ def test_deterministic_for_a_seed_and_self_comparison_is_zero(trained, report, t
     assert other_seed["ci.retrieval.mrr.low"] != first["ci.retrieval.mrr.low"]
 
 
+def test_several_runs_per_side_compare_per_pair_and_as_means(trained, report, tmp_path):
+    from genrec.models.train.trainer import run_training
+
+    run, data = trained
+    first, _ = report
+    seed1 = run.parent / "seed1"  # another run of the recipe
+    cfg = tiny_config(data, seed1, checkpoint_every=6)
+    cfg.train.seed = 1
+    run_training(cfg)
+    rep = _evaluate([run, seed1], data, tmp_path / "runs", compare=[seed1, run])
+    assert rep["retrieval.mrr"] == first["retrieval.mrr"]  # the report's model is the first run
+    pair_1, pair_2 = (f"comparisons.{a} minus {b}.retrieval.mrr.diff" for a, b in
+                      (("run", "seed1 (compare)"), ("seed1", "run (4)")))
+    assert rep[pair_1] == pytest.approx(first["retrieval.mrr"] - rep["baselines.seed1 (compare).retrieval.mrr"])
+    assert rep[pair_1] != 0.0 and rep[pair_2] == pytest.approx(-rep[pair_1])
+    # Both sides average the same two runs: their means agree for every user.
+    means = {k: v for k, v in rep.items() if k.startswith("comparisons.mean of 2 runs minus mean of 2 compare runs.")}
+    assert means and all(v == 0.0 for k, v in means.items() if k.endswith((".diff", ".low", ".high")))
+    assert rep["config"]["eval"]["runs"] == [str(run), str(seed1)]
+
+
 def _copy_data(data: Path, to: Path) -> Path:
     shutil.copytree(data, to)
     return to

@@ -14,6 +14,7 @@ from torchmetrics.classification import BinaryAUROC
 from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR, RetrievalNormalizedDCG
 
 from genrec.models.evaluation.metrics import (
+    MeanOfRuns,
     RankingMetrics,
     RetrievalMetrics,
     binary_auc,
@@ -428,3 +429,38 @@ def test_headline_cis_and_compare_models_keys_and_consistency():
     kc.update(torch.from_numpy(users + 1), torch.from_numpy(probs), torch.from_numpy(labels))
     with pytest.raises(ValueError, match="different users"):
         compare_models(None, None, ka, kc)
+
+
+def test_mean_of_runs_averages_each_users_values_and_compares_like_one_run():
+    rng = np.random.default_rng(3)
+    users, probs, labels = _random_ranking(5)
+
+    def run(high: int) -> tuple[RetrievalMetrics, RankingMetrics]:
+        r, k = RetrievalMetrics(ks=(10,)), RankingMetrics(tasks=["click", "conversion"])
+        r.update_ranks(rng.integers(0, high, 300))
+        k.update(torch.from_numpy(users), torch.from_numpy(np.clip(probs + rng.normal(0, 0.2, probs.shape), 0, 1)),
+                 torch.from_numpy(labels))
+        return r, k
+
+    (ra1, ka1), (ra2, ka2), (rb1, kb1), (rb2, kb2) = run(30), run(40), run(60), run(80)
+    mean_a = MeanOfRuns([ra1, ra2], [ka1, ka2])
+    mean_b = MeanOfRuns([rb1, rb2], [kb1, kb2])
+    want = (ra1.per_user()["ndcg@10"] + ra2.per_user()["ndcg@10"]) / 2
+    np.testing.assert_allclose(mean_a.per_user()["ndcg@10"], want)
+    np.testing.assert_allclose(mean_a.per_user("click")["logloss_sum"],
+                               (ka1.per_user("click")["logloss_sum"] + ka2.per_user("click")["logloss_sum"]) / 2)
+    cmp = compare_models(mean_a, mean_b, mean_a, mean_b, num_resamples=200)
+    # A difference of means is the mean of the runs' differences (same users, same weights).
+    pair_diffs = [compare_models(a, b, num_resamples=50)["retrieval.hr@10"]["diff"] for a, b in ((ra1, rb1), (ra2, rb2))]
+    assert cmp["retrieval.hr@10"]["diff"] == pytest.approx(np.mean(pair_diffs))
+    assert cmp["retrieval.hr@10"]["low"] < cmp["retrieval.hr@10"]["diff"] < cmp["retrieval.hr@10"]["high"]
+    assert set(cmp) >= {"ranking.click.gauc", "ranking.conversion.logloss"}
+    # The mean of one run repeated is that run: the same comparison, resample for resample.
+    same = compare_models(MeanOfRuns([ra1, ra1], [ka1, ka1]), MeanOfRuns([rb1, rb1], [kb1, kb1]),
+                          MeanOfRuns([ra1, ra1], [ka1, ka1]), MeanOfRuns([rb1, rb1], [kb1, kb1]), num_resamples=200)
+    one = compare_models(ra1, rb1, ka1, kb1, num_resamples=200)
+    assert same.keys() == one.keys() and all(same[k] == pytest.approx(one[k]) for k in one)
+    kc = RankingMetrics(tasks=["click", "conversion"])
+    kc.update(torch.from_numpy(users + 1), torch.from_numpy(probs), torch.from_numpy(labels))
+    with pytest.raises(ValueError, match="different users by the runs"):
+        MeanOfRuns([ra1, ra2], [ka1, kc]).per_user("click")
