@@ -210,6 +210,9 @@ def conditions(name: str, record: dict | None) -> str:
     took = f", {c['seconds']:.0f} s" if isinstance(c.get("seconds"), (int, float)) else ""
     # Records come from whichever machine took them: figures of two CPUs are not comparable.
     cpu = (c.get("cpu") or {}).get("model")
+    flags = (c.get("cpu") or {}).get("flags")
+    if cpu and flags is not None:  # the native kernels' build differs with and without AVX-512
+        cpu += " with AVX-512" if "avx512f" in flags else " without AVX-512"
     return f"`{name}`: {cpu + ', ' if cpu else ''}commit {commit}, {load}, {threads} thread(s){took}"
 
 
