@@ -385,9 +385,10 @@ def _check_labels(rows: _Rows, labels: list[str], split_dir: Path) -> None:
 
 
 def _run_comparisons(runs_a: list, runs_b: list, boot: dict) -> dict[str, dict]:
-    """Paired comparisons of the runs of recipe A with those of recipe B (report keys): one
-    run each, keyed by B's name, as always. Several: each pair (A's i-th run minus B's i-th,
-    when both give as many) and the mean of A's runs minus the mean of B's (`MeanOfRuns`)."""
+    """Paired comparisons of the runs of recipe A with those of recipe B (report keys). One
+    run of A: A minus each of B's, keyed by B's name, as always. Several: each pair (A's i-th
+    run minus B's i-th, when both give as many) and the mean of A's runs minus the mean of
+    B's (`MeanOfRuns`)."""
     if len(runs_a) == 1:
         a = runs_a[0]
         return {b.name: compare_models(a.retrieval, b.retrieval, a.ranking, b.ranking, **boot) for b in runs_b}
