@@ -389,22 +389,21 @@ def _run_comparisons(runs_a: list, runs_b: list, boot: dict) -> dict[str, dict]:
     run of A: A minus each of B's, keyed by B's name, as always. Several: each pair (A's i-th
     run minus B's i-th, when both give as many) and the mean of A's runs minus the mean of
     B's (`MeanOfRuns`)."""
+    def pair(a, b) -> dict:
+        return compare_models(a.retrieval, b.retrieval, a.ranking, b.ranking, **boot)
+
     if len(runs_a) == 1:
-        a = runs_a[0]
-        return {b.name: compare_models(a.retrieval, b.retrieval, a.ranking, b.ranking, **boot) for b in runs_b}
+        return {b.name: pair(runs_a[0], b) for b in runs_b}
     if not runs_b:
         return {}
-    out = {}
-    if len(runs_a) == len(runs_b):
-        for a, b in zip(runs_a, runs_b):
-            out[f"{a.name} minus {b.name}"] = compare_models(a.retrieval, b.retrieval, a.ranking, b.ranking, **boot)
-    means = []
-    for runs in (runs_a, runs_b):
-        ranking = [r.ranking for r in runs if r.ranking is not None]
-        mean = MeanOfRuns([r.retrieval for r in runs], ranking if len(ranking) == len(runs) else [])
-        means.append((mean, mean if mean.tasks else None))
+    out = {f"{a.name} minus {b.name}": pair(a, b) for a, b in zip(runs_a, runs_b)} if len(runs_a) == len(runs_b) else {}
+    # Ranking is averaged only where every run of a side has a ranking head.
+    mean_a, mean_b = (MeanOfRuns([r.retrieval for r in runs],
+                                 [r.ranking for r in runs] if all(r.ranking is not None for r in runs) else [])
+                      for runs in (runs_a, runs_b))
     label = f"mean of {len(runs_a)} runs minus mean of {len(runs_b)} compare runs"
-    out[label] = compare_models(means[0][0], means[1][0], means[0][1], means[1][1], **boot)
+    out[label] = compare_models(mean_a, mean_b, mean_a if mean_a.tasks else None, mean_b if mean_b.tasks else None,
+                                **boot)
     return out
 
 
