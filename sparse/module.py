@@ -65,11 +65,12 @@ class _Exchange:
         dist.all_to_all_single(recv, self.send_splits, group=group)
         self.recv_splits = recv
         self.send_list, self.recv_list = self.send_splits.tolist(), recv.tolist()
+        self.unorder_L: torch.Tensor | None = None
 
     def to_owner(self, x_L: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
             return x_L
-        x_S = x_L[self.order_L].contiguous()
+        x_S = x_L.index_select(0, self.order_L.to(x_L.device))  # ~6x faster than x_L[order] on CPU
         out = x_S.new_empty((sum(self.recv_list), *x_S.shape[1:]))
         dist.all_to_all_single(out, x_S, self.recv_list, self.send_list, group=self.group)
         return out
@@ -79,9 +80,10 @@ class _Exchange:
             return x_R
         out_S = x_R.new_empty((sum(self.send_list), *x_R.shape[1:]))
         dist.all_to_all_single(out_S, x_R.contiguous(), self.send_list, self.recv_list, group=self.group)
-        out_L = torch.empty_like(out_S)
-        out_L[self.order_L] = out_S
-        return out_L
+        if self.unorder_L is None:  # order_L's inverse: a gather, not a scatter, puts rows back
+            self.unorder_L = torch.empty_like(self.order_L)
+            self.unorder_L[self.order_L] = torch.arange(self.order_L.numel())
+        return out_S.index_select(0, self.unorder_L.to(out_S.device))
 
 
 def _apply_rows_grad(store, ids_U, grad_UD, admitted_U, locations, now) -> None:
@@ -139,13 +141,14 @@ class _GroupExchange:
 
     def rows_back(self) -> list[torch.Tensor]:
         """Each table's rows for this rank's unique ids [L_t, D_t], from their owners."""
-        rows_L = self.ex.from_owner(self.rows_U[self.inv_R.to(self.rows_U.device)])
+        rows_L = self.ex.from_owner(self.rows_U.index_select(0, self.inv_R.to(self.rows_U.device)))
         return [part[:, :d] for part, d in zip(rows_L.split(self.sizes), self.dims)]
 
     def grads_to_owner(self, grads_per_table: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per-table gradients of this rank's unique ids -> each table's gradients summed per
         owner-side unique id (`owner_ids[t]`'s order)."""
-        padded = torch.cat([F.pad(g, (0, self.width - g.shape[1])) for g in grads_per_table])
+        padded = torch.cat([g if g.shape[1] == self.width else F.pad(g, (0, self.width - g.shape[1]))
+                            for g in grads_per_table])
         grad_R = self.ex.to_owner(padded)
         # Each unique id's gradients are added in the order they were received, as a
         # per-table index_add over the received rows adds them.

@@ -16,7 +16,10 @@ ranks take turns ROUNDS[quick] times; `scaling_2rank_vs_1rank` is the median rou
 splits a 2-rank step (rank 0, a few steps under the profiler) into the spans of the
 store's all-to-alls, DDP's all-reduce (beside the backward) and the rest; from the timed
 steps themselves (no profiler), it splits the time in the store's all-to-alls into waiting
-for the other rank to arrive and the collective's own time once both are in.
+for the other rank to arrive and the collective's own time once both are in. Each demo
+round also runs two 1-rank runs side by side and 2 ranks on the same batches, which split
+what 2 ranks lose against twice 1 rank into the shared machine, communication and batch
+imbalance (`_scaling_breakdown`).
 """
 
 from __future__ import annotations
@@ -88,12 +91,13 @@ def _cycle(loader):
         yield from loader
 
 
-def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int) -> dict:
+def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int, same_batches: bool = False) -> dict:
     """This process is one rank of a run (its env says which): `warmup` steps, then `steps`
     timed, also timing the store's lookups and counting tokens and FLOPs (rank 0's go in
     the results). With several
     ranks, a few more steps under the profiler give the gloo collectives' spans (waiting for
-    the other rank included; DDP's all-reduce runs beside the backward)."""
+    the other rank included; DDP's all-reduce runs beside the backward). `same_batches`:
+    every rank reads rank 0's batches, so the ranks' work is equal step by step."""
     from torch.profiler import ProfilerActivity, profile
 
     from genrec.models.config import JobConfig
@@ -103,6 +107,11 @@ def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int) -
 
     cfg = load_config(JobConfig, cfg_path, overrides)
     trainer = Trainer(cfg, init_distributed())
+    if same_batches:
+        from genrec.data.loader import make_loader
+
+        trainer.loader = make_loader(Path(cfg.data.path) / "train", cfg.data.features, cfg.data.loader, rank=0,
+                                     world_size=trainer.dist.world_size)
     store, sparse_s = trainer.store, [0.0]
     lookup = store._lookup  # what forward and lookup_many both call
 
@@ -180,46 +189,71 @@ import json, os, sys
 from genrec.models.process import keep_large_allocations, passive_openmp_waits
 passive_openmp_waits(); keep_large_allocations()
 from genrec.models.train.bench import _time_ranks
-out = _time_ranks(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+out = _time_ranks(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1")
 if os.environ["RANK"] == "0":
     print(json.dumps(out))
 """
 
 
-def _run_ranks(world: int, cfg_path: Path, overrides: list[str], steps: int, warmup: int) -> dict:
-    """`world` ranks, each a fresh process on this machine, one thread each: rank 0's timings.
-    1 rank runs the same way as 2, so neither inherits this process's warm heap or threads."""
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _run_ranks(world: int, cfg_path: Path, runs: list[list[str]], steps: int, *,
+               same_batches: bool = False) -> list[dict]:
+    """One run of `world` ranks per overrides list in `runs`, all at once, each rank a fresh
+    process on this machine with one thread, `steps` warm-up steps then `steps` timed: each
+    run's rank 0 timings. 1 rank runs the same way as 2, so neither inherits this process's
+    warm heap or threads; two runs of 1 rank side by side share the machine as 2 ranks do,
+    without talking to each other."""
     procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", _RANK, str(cfg_path), json.dumps(overrides), str(steps), str(warmup)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
+    for overrides in runs:
+        port = _free_port()
+        for rank in range(world):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                   "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": "1"}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", _RANK, str(cfg_path), json.dumps(overrides), str(steps), str(steps),
+                 "1" if same_batches else "0"],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            ))
     outs = [p.communicate(timeout=900) for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{world}-rank bench failed (exit codes {[p.returncode for p in procs]}):\n"
                            f"{outs[0][1][-3000:]}")
-    return json.loads(outs[0][0].strip().splitlines()[-1])
+    return [json.loads(outs[run * world][0].strip().splitlines()[-1]) for run in range(len(runs))]
 
 
-def _take_turns(cfg_path: Path, data: Path, out: Path, steps: tuple[int, int], rounds: int, demo: bool = True):
+def _rate(run: dict) -> float:
+    return run["samples"] / run["seconds"]
+
+
+def _take_turns(cfg_path: Path, data: Path, out: Path, steps: tuple[int, int], rounds: int, demo: bool = True,
+                breakdown: bool = False):
     """1 rank then 2 ranks (`_run_ranks`), `rounds` times, `steps` (1 rank, 2 ranks) steps
-    each after as many warm-up steps: (ones, twos, scaling per round)."""
-    ones, twos = [], []
+    each after as many warm-up steps: (ones, twos, scaling per round, breakdown per round).
+    With `breakdown`, each round also runs two 1-rank runs side by side (`independent`:
+    what the shared machine allows two processes with no communication) and 2 ranks on
+    the same batches (`same_batches`: no rank waits for a longer batch on the other)."""
+    ones, twos, parts = [], [], []
     for r in range(rounds):
         print(f"bench train: {cfg_path.name}, round {r + 1} of {rounds}: 1 rank ({steps[0]} steps), "
-              f"then 2 ranks ({steps[1]} steps)", file=sys.stderr)
-        ones.append(_run_ranks(1, cfg_path, _overrides(data, out / f"run1-{r}", steps[0], demo), steps[0], steps[0]))
-        twos.append(_run_ranks(2, cfg_path, _overrides(data, out / f"run2-{r}", steps[1], demo), steps[1], steps[1]))
-    scaling = [(2 * two["samples"] / two["seconds"]) / (one["samples"] / one["seconds"])
-               for one, two in zip(ones, twos)]
-    return ones, twos, scaling
+              f"then 2 ranks ({steps[1]} steps){', then the breakdown runs' if breakdown else ''}", file=sys.stderr)
+        ones += _run_ranks(1, cfg_path, [_overrides(data, out / f"run1-{r}", steps[0], demo)], steps[0])
+        twos += _run_ranks(2, cfg_path, [_overrides(data, out / f"run2-{r}", steps[1], demo)], steps[1])
+        if breakdown:
+            pair = _run_ranks(1, cfg_path, [_overrides(data, out / f"pair{i}-{r}", steps[0], demo) for i in (0, 1)],
+                              steps[0])
+            same = _run_ranks(2, cfg_path, [_overrides(data, out / f"same-{r}", steps[1], demo)], steps[1],
+                              same_batches=True)[0]
+            parts.append({"independent": sum(_rate(p) for p in pair) / _rate(ones[-1]),
+                          "independent_slower": 2 * min(_rate(p) for p in pair) / _rate(ones[-1]),
+                          "same_batches": 2 * _rate(same) / _rate(ones[-1])})
+    scaling = [2 * _rate(two) / _rate(one) for one, two in zip(ones, twos)]
+    return ones, twos, scaling, parts
 
 
 def _ml100k(tmp: Path, quick: bool) -> dict:
@@ -239,18 +273,47 @@ def _ml100k(tmp: Path, quick: bool) -> dict:
     cfg.data.path = str(tmp / "ml100k")
     epochs = ML100K_EPOCHS[quick]
     steps = (epochs * steps_per_epoch(cfg, 1), epochs * steps_per_epoch(cfg, 2))
-    ones, twos, scaling = _take_turns(ML100K_CONFIG, tmp / "ml100k", tmp / "ml100k-runs", steps, ROUNDS[quick],
-                                      demo=False)
+    ones, twos, scaling, _ = _take_turns(ML100K_CONFIG, tmp / "ml100k", tmp / "ml100k-runs", steps, ROUNDS[quick],
+                                         demo=False)
     mid = sorted(range(len(scaling)), key=lambda r: scaling[r])[(len(scaling) - 1) // 2]
     one, two = ones[mid], twos[mid]
     return {
         "scaling_2rank_vs_1rank_ml100k": scaling[mid],
-        "scaling_2rank_vs_1rank_ml100k_spread": {"median": scaling[mid], "min": min(scaling), "max": max(scaling),
-                                                 "n": len(scaling)},
+        "scaling_2rank_vs_1rank_ml100k_spread": _spread(scaling),
         "samples_per_s_1rank_ml100k": one["samples"] / one["seconds"],
         "samples_per_s_2rank_ml100k": 2 * two["samples"] / two["seconds"],
         "per_step_ms_ml100k": {"1rank": 1e3 * one["seconds"] / steps[0], "2rank": 1e3 * two["seconds"] / steps[1]},
         "epochs_timed_ml100k": epochs,
+    }
+
+
+def _spread(values: list[float]) -> dict:
+    ordered = sorted(values)
+    return {"median": ordered[(len(ordered) - 1) // 2], "min": ordered[0], "max": ordered[-1], "n": len(ordered)}
+
+
+def _scaling_breakdown(scaling: list[float], parts: list[dict]) -> dict:
+    """Where the 2-rank run's samples/s go, each figure a median over the rounds (1 rank's
+    samples/s = 1 in the same round). Two 1-rank runs side by side, with nothing between
+    them, give what the machine gives two processes (its cores' shared caches, memory and
+    neighbours): `scaling_2independent_vs_1rank` adds their rates, and
+    `..._slower_vs_1rank` is twice the slower one's, the most two ranks in lock step can
+    get (on a shared VM one core can run 10% slower than the other for minutes).
+    `scaling_2rank_same_batches_vs_1rank`, 2 ranks that read the same batches, adds the
+    collectives and the store's exchange but no imbalance; the 2-rank run adds the other
+    rank's longer or shorter batches. `scaling_lost_to` gives the gaps between these
+    medians: how much of the ideal 2 each part costs."""
+    figure = {key: _spread([p[key] for p in parts]) for key in ("independent", "independent_slower", "same_batches")}
+    lock_step, same = figure["independent_slower"]["median"], figure["same_batches"]["median"]
+    return {
+        "scaling_2independent_vs_1rank": figure["independent"]["median"],
+        "scaling_2independent_vs_1rank_spread": figure["independent"],
+        "scaling_2independent_slower_vs_1rank": lock_step,
+        "scaling_2independent_slower_vs_1rank_spread": figure["independent_slower"],
+        "scaling_2rank_same_batches_vs_1rank": same,
+        "scaling_2rank_same_batches_vs_1rank_spread": figure["same_batches"],
+        "scaling_lost_to": {"shared_machine": 2.0 - lock_step, "communication": lock_step - same,
+                            "batch_imbalance": same - _spread(scaling)["median"]},
     }
 
 
@@ -275,7 +338,7 @@ def run(quick: bool = False) -> dict:
         # 1 and 2 ranks take turns, ROUNDS[quick] times: on a shared 2-core machine one pair of runs
         # was measured anywhere between 0.96x and 1.5x.
         rounds = ROUNDS[quick]
-        ones, twos, scaling = _take_turns(CONFIG, tmp / "data", tmp, (steps, steps), rounds)
+        ones, twos, scaling, parts = _take_turns(CONFIG, tmp / "data", tmp, (steps, steps), rounds, breakdown=True)
         ml100k = _ml100k(tmp, quick)
     # The round with the median scaling gives the other figures, so they describe one pair.
     mid = sorted(range(rounds), key=lambda r: scaling[r])[(rounds - 1) // 2]  # the lower one of two
@@ -290,8 +353,8 @@ def run(quick: bool = False) -> dict:
         "samples_per_s_1rank": one["samples"] / one["seconds"],
         "samples_per_s_2rank": 2 * two["samples"] / two["seconds"],
         "scaling_2rank_vs_1rank": scaling[mid],
-        "scaling_2rank_vs_1rank_spread": {"median": scaling[mid], "min": min(scaling), "max": max(scaling),
-                                          "n": rounds},
+        "scaling_2rank_vs_1rank_spread": _spread(scaling),
+        **_scaling_breakdown(scaling, parts),
         "tokens_per_s_1rank": one["tokens"] / one["seconds"],
         "mfu": one["flops"] / one["seconds"] / 1e9 / peak,
         "matmul_peak_gflops_fp32_1thread": peak,

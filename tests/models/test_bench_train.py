@@ -1,0 +1,22 @@
+"""`genrec bench train`'s split of the 2-rank loss: the three parts account for all of it."""
+
+import pytest
+
+from genrec.models.train.bench import _scaling_breakdown
+
+
+def test_the_lost_parts_add_up_to_what_two_ranks_miss_of_twice_one():
+    scaling = [1.31, 1.52, 1.40]
+    parts = [{"independent": 1.95, "independent_slower": 1.80, "same_batches": 1.50},
+             {"independent": 2.01, "independent_slower": 1.94, "same_batches": 1.62},
+             {"independent": 1.90, "independent_slower": 1.70, "same_batches": 1.41}]
+    out = _scaling_breakdown(scaling, parts)
+    lost = out["scaling_lost_to"]
+    assert sum(lost.values()) == pytest.approx(2.0 - 1.40)
+    # Medians of each figure over the rounds, not one round's figures.
+    assert out["scaling_2independent_slower_vs_1rank"] == 1.80
+    assert out["scaling_2rank_same_batches_vs_1rank"] == 1.50
+    assert lost["shared_machine"] == pytest.approx(0.20)
+    assert lost["communication"] == pytest.approx(0.30)
+    assert lost["batch_imbalance"] == pytest.approx(0.10)
+    assert out["scaling_2independent_vs_1rank_spread"] == {"median": 1.95, "min": 1.90, "max": 2.01, "n": 3}
