@@ -65,7 +65,6 @@ class _Exchange:
         dist.all_to_all_single(recv, self.send_splits, group=group)
         self.recv_splits = recv
         self.send_list, self.recv_list = self.send_splits.tolist(), recv.tolist()
-        self.unorder_L: torch.Tensor | None = None
 
     def to_owner(self, x_L: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
@@ -80,10 +79,9 @@ class _Exchange:
             return x_R
         out_S = x_R.new_empty((sum(self.send_list), *x_R.shape[1:]))
         dist.all_to_all_single(out_S, x_R.contiguous(), self.send_list, self.recv_list, group=self.group)
-        if self.unorder_L is None:  # order_L's inverse: a gather, not a scatter, puts rows back
-            self.unorder_L = torch.empty_like(self.order_L)
-            self.unorder_L[self.order_L] = torch.arange(self.order_L.numel())
-        return out_S.index_select(0, self.unorder_L.to(out_S.device))
+        unorder_L = torch.empty_like(self.order_L)  # order_L's inverse: a gather, not a scatter, puts rows back
+        unorder_L[self.order_L] = torch.arange(self.order_L.numel())
+        return out_S.index_select(0, unorder_L.to(out_S.device))
 
 
 def _apply_rows_grad(store, ids_U, grad_UD, admitted_U, locations, now) -> None:

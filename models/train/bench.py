@@ -288,6 +288,8 @@ def _ml100k(tmp: Path, quick: bool) -> dict:
 
 
 def _spread(values: list[float]) -> dict:
+    """Median (the lower middle of an even count, not statistics.median: one round's own
+    figure, as the median round's other figures are), min, max and count."""
     ordered = sorted(values)
     return {"median": ordered[(len(ordered) - 1) // 2], "min": ordered[0], "max": ordered[-1], "n": len(ordered)}
 
