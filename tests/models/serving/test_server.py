@@ -252,13 +252,17 @@ def test_reload_under_load_fails_no_request(server):
 
     def hammer(seed):
         with httpx.Client(base_url=server["url"], timeout=60) as c:
-            i = 0
-            while not stop.is_set() or i < 3:
+            def send(i):
                 r = c.post("/v1/rank", json=synthetic_request(NUM_ITEMS, 20, k=20, n=5, seed=seed * 100 + i))
                 statuses.append(r.status_code)
                 if r.status_code == 200:
                     versions.add(r.json()["model_version"])
+
+            i = 0
+            while not stop.is_set() or i < 3:
+                send(i)
                 i += 1
+            send(i)  # stop is set only after the reload returned: this one must see v2
 
     threads = [threading.Thread(target=hammer, args=(s,)) for s in range(3)]
     for t in threads:
