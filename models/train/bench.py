@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -138,6 +140,7 @@ def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int, s
         return out
 
     torch.distributed.all_to_all_single = timed_all_to_all
+    helpers0, preempted0 = _helper_threads_cpu(), _preemptions()
     t0, cpu0 = time.perf_counter(), time.thread_time()
     try:
         for _ in range(steps):
@@ -150,6 +153,9 @@ def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int, s
         torch.distributed.all_to_all_single = all_to_all
     out = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.thread_time() - cpu0, "samples": samples,
            "tokens": tokens, "flops": flops, "sparse_forward_s": sparse_s[0]}
+    helpers1 = _helper_threads_cpu()
+    out["helper_threads_cpu_s"] = sum(cpu - helpers0.get(tid, 0.0) for tid, cpu in helpers1.items())
+    out["preemptions"] = _preemptions() - preempted0
     if trainer.dist.world_size > 1:
         out.update(_all_to_all_waits(exchanges, steps))
         profiled = min(5, steps)
@@ -164,6 +170,35 @@ def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int, s
                 spans[e.name[5:]] += e.cpu_time_total / 1e3
         out["alltoall_ms"], out["allreduce_ms"] = spans["all_to_all"] / profiled, spans["all_reduce"] / profiled
     return out
+
+
+def _helper_threads_cpu() -> dict[int, float]:
+    """CPU seconds so far of each thread of this process but the calling one (the
+    collectives' I/O and worker threads, the allocator's): they share the rank's core with
+    the training thread. Read through each thread's CPU-time clock (clock id built as
+    Linux's MAKE_THREAD_CPUCLOCK does; no Python API names another thread's clock);
+    {} where /proc is absent."""
+    me, out = threading.get_native_id(), {}
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return out
+    for tid in tids:
+        if tid != me:
+            try:
+                out[tid] = time.clock_gettime((~tid << 3) | 6)  # CPUCLOCK_PERTHREAD | CPUCLOCK_SCHED
+            except OSError:
+                pass  # a thread that has just exited
+    return out
+
+
+def _preemptions() -> int:
+    """Times the calling thread was taken off its core while it could run (involuntary
+    context switches), where the OS counts them per thread."""
+    try:
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+    except (AttributeError, OSError):
+        return 0
 
 
 def _all_to_all_waits(spans: list[tuple[float, float]], steps: int) -> dict:
@@ -367,11 +402,16 @@ def run(quick: bool = False) -> dict:
         },
         # Per step of rank 0: the training thread's CPU time and the rest of the step, which it
         # spends off the CPU, waiting for the other rank in a collective or preempted ("waiting";
-        # measured without the profiler). Then, under the profiler (which slows the 2-rank step
+        # measured without the profiler), with the CPU time of the rank's other threads, which
+        # share its core, and how often they (or anything else) preempted the training thread
+        # ("preemptions", per step). Then, under the profiler (which slows the 2-rank step
         # by a third here, and its per-op times are not to be trusted on 2 busy cores), the spans
         # of the store's all-to-alls and DDP's all-reduce, and the rest ("compute").
         "per_step_ms_2rank": {"step": 1e3 * per_step_2, "cpu": 1e3 * two["cpu_seconds"] / steps,
                               "waiting": 1e3 * (two["seconds"] - two["cpu_seconds"]) / steps,
+                              # the rank's other threads (gloo's I/O loop and workers) on its core
+                              "helper_threads_cpu": 1e3 * two["helper_threads_cpu_s"] / steps,
+                              "preemptions": two["preemptions"] / steps,
                               # measured without the profiler, from both ranks' clocks
                               "alltoall_calls": two["alltoall_per_step"],
                               "alltoall_wait_for_other_rank": two["alltoall_wait_for_other_rank_ms"],
@@ -382,6 +422,8 @@ def run(quick: bool = False) -> dict:
                               "compute": two["profiled_step_ms"] - two["alltoall_ms"]},
         "per_step_ms_1rank": {"step": 1e3 * per_step_1, "cpu": 1e3 * one["cpu_seconds"] / steps,
                               "waiting": 1e3 * (one["seconds"] - one["cpu_seconds"]) / steps,
+                              "helper_threads_cpu": 1e3 * one["helper_threads_cpu_s"] / steps,
+                              "preemptions": one["preemptions"] / steps,
                               "alltoall": 0.0, "allreduce": 0.0, "compute": 1e3 * per_step_1},
         "steps": steps,
         "threads_per_rank": 1,

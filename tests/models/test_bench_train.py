@@ -2,7 +2,10 @@
 
 import pytest
 
-from genrec.models.train.bench import _scaling_breakdown
+import threading
+import time
+
+from genrec.models.train.bench import _helper_threads_cpu, _preemptions, _scaling_breakdown
 
 
 def test_the_lost_parts_add_up_to_what_two_ranks_miss_of_twice_one():
@@ -20,3 +23,31 @@ def test_the_lost_parts_add_up_to_what_two_ranks_miss_of_twice_one():
     assert lost["communication"] == pytest.approx(0.30)
     assert lost["batch_imbalance"] == pytest.approx(0.10)
     assert out["scaling_2independent_vs_1rank_spread"] == {"median": 1.95, "min": 1.90, "max": 2.01, "n": 3}
+
+
+def test_helper_threads_cpu_counts_the_other_threads_and_not_the_caller():
+    started, spun, stop = threading.Event(), threading.Event(), threading.Event()
+
+    def spin():
+        started.set()
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.2:
+            pass
+        spun.set()
+        stop.wait()
+
+    helper = threading.Thread(target=spin)
+    helper.start()
+    started.wait()
+    before = _helper_threads_cpu()
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.1:  # the caller's own CPU, which must not be counted
+        pass
+    spun.wait()
+    after = _helper_threads_cpu()
+    stop.set()
+    helper.join()
+    assert threading.get_native_id() not in after and helper.native_id in after
+    # It spun 0.2 s of CPU, a little of it before the first reading.
+    assert 0.1 <= after[helper.native_id] - before.get(helper.native_id, 0.0) <= 0.25
+    assert _preemptions() >= 0
