@@ -126,11 +126,14 @@ class TrainConfig:
     """Load the next batches in a thread while the current one computes, and (see
     sparse.read_ahead) start the disk reads of the next batch's SSD-tier rows."""
     cpu_affinity: Literal["auto", "off"] = "auto"
-    """"auto": on CPU with several ranks on a node, bind each local rank (all its threads:
-    compute, loader, collectives) to its own share of the cores this process may use, as
-    `torch.backends.xeon.run_cpu` does per instance. Unbound, a rank's communication
-    threads preempt the other rank's compute; bound, the 2-rank step of the demo model took
-    57 ms where it took 63 (one A/B on 2 cores). "off": leave placement to the OS (nodes shared with other jobs)."""
+    """"auto": on CPU with several ranks on a node, bind each local rank's threads that
+    compute (training, intra-op, loader) to its own share of the cores this process may
+    use, as `torch.backends.xeon.run_cpu` does per instance; the collectives' own threads
+    (gloo's I/O loop and workers) stay free to wake on any of them. Nothing bound, the
+    2-rank step of the demo model took 63 ms where it took 57 with every thread bound (one
+    A/B on 2 cores); with the collectives' threads left free it took 0.97 of that (median
+    of 8 alternating pairs, 2 ranks on the same batches). "off": leave placement to the OS
+    (nodes shared with other jobs)."""
     num_threads: int = 0
     """torch intra-op threads per rank; 0: the cores this process may use divided by the
     ranks on this node (never more threads than cores: oversubscribed, spin-waiting OpenMP

@@ -19,7 +19,10 @@ steps themselves (no profiler), it splits the time in the store's all-to-alls in
 for the other rank to arrive and the collective's own time once both are in. Each demo
 round also runs two 1-rank runs side by side and 2 ranks on the same batches, which split
 what 2 ranks lose against twice 1 rank into the shared machine, communication and batch
-imbalance (`_scaling_breakdown`).
+imbalance (`_scaling_breakdown`). Per step it also counts the CPU time of each rank's other
+threads (gloo's I/O loop and workers share the rank's core) and how often the training
+thread was preempted, and times the step's collectives alone between the same ranks
+(`_collective_floor`): the least they cost whatever the store and DDP do.
 """
 
 from __future__ import annotations
@@ -164,11 +167,43 @@ def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int, s
             for _ in range(profiled):
                 trainer.train_step(next(batches))
             out["profiled_step_ms"] = 1e3 * (time.perf_counter() - t1) / profiled
-        spans = {"all_to_all": 0.0, "all_reduce": 0.0}
+        spans, calls = {"all_to_all": 0.0, "all_reduce": 0.0}, {"all_to_all": 0, "all_reduce": 0}
         for e in prof.events():
             if e.name.startswith("gloo:") and e.name[5:] in spans:
                 spans[e.name[5:]] += e.cpu_time_total / 1e3
+                calls[e.name[5:]] += 1
+        out["allreduce_per_step"] = calls["all_reduce"] / profiled
         out["alltoall_ms"], out["allreduce_ms"] = spans["all_to_all"] / profiled, spans["all_reduce"] / profiled
+        from genrec.models.build import dense_named_parameters
+
+        out.update(_collective_floor(sum(p.numel() for _, p in dense_named_parameters(trainer.model))))
+    return out
+
+
+def _collective_floor(dense_params: int, calls: int = 100) -> dict:
+    """What the step's collectives cost with nothing else to do, between the same ranks:
+    an all-to-all of one int64 per rank (the store's split counts, latency only) and an
+    all-reduce of all the dense gradients (the demo's 60K parameters fit DDP's first
+    bucket: one all-reduce a step, `allreduce_per_step`), each the median wall ms of `calls` after warm-up, with the rank's other
+    threads' CPU ms per call (gloo moves the bytes on its own threads). Collective."""
+    world = torch.distributed.get_world_size()
+    counts, recv = torch.ones(world, dtype=torch.int64), torch.empty(world, dtype=torch.int64)
+    grads = torch.zeros(dense_params)
+    ops = {"alltoall": lambda: torch.distributed.all_to_all_single(recv, counts),
+           "allreduce": lambda: torch.distributed.all_reduce(grads)}
+    out = {}
+    for name, op in ops.items():
+        for _ in range(10):
+            op()
+        torch.distributed.barrier()
+        walls, helpers0 = [], _helper_threads_cpu()
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            op()
+            walls.append(1e3 * (time.perf_counter() - t0))
+        helpers1 = _helper_threads_cpu()
+        out[f"{name}_floor_ms"] = sorted(walls)[calls // 2]
+        out[f"{name}_floor_helper_cpu_ms"] = 1e3 * sum(c - helpers0.get(t, 0.0) for t, c in helpers1.items()) / calls
     return out
 
 
@@ -419,6 +454,14 @@ def run(quick: bool = False) -> dict:
                               "alltoall_own_median_per_call": two["alltoall_own_median_ms"],
                               "profiled_step": two["profiled_step_ms"],
                               "alltoall": two["alltoall_ms"], "allreduce": two["allreduce_ms"],
+                              # the same collectives alone between the ranks (`_collective_floor`)
+                              "alltoall_floor": two["alltoall_floor_ms"],
+                              "alltoall_floor_helper_cpu": two["alltoall_floor_helper_cpu_ms"],
+                              "allreduce_floor": two["allreduce_floor_ms"],
+                              "allreduce_floor_helper_cpu": two["allreduce_floor_helper_cpu_ms"],
+                              "allreduce_calls": two["allreduce_per_step"],
+                              "collectives_floor": (two["alltoall_per_step"] * two["alltoall_floor_ms"]
+                                                    + two["allreduce_per_step"] * two["allreduce_floor_ms"]),
                               "compute": two["profiled_step_ms"] - two["alltoall_ms"]},
         "per_step_ms_1rank": {"step": 1e3 * per_step_1, "cpu": 1e3 * one["cpu_seconds"] / steps,
                               "waiting": 1e3 * (one["seconds"] - one["cpu_seconds"]) / steps,
