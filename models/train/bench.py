@@ -20,7 +20,7 @@ for the other rank to arrive and the collective's own time once both are in. Eac
 round also runs two 1-rank runs side by side and 2 ranks on the same batches, which split
 what 2 ranks lose against twice 1 rank into the shared machine, communication and batch
 imbalance (`_scaling_breakdown`). Per step it also counts the CPU time of each rank's other
-threads (gloo's I/O loop and workers share the rank's core) and how often the training
+threads (gloo's I/O loop and workers, which share the cores) and how often the training
 thread was preempted, and times the step's collectives alone between the same ranks
 (`_collective_floor`): the least they cost whatever the store and DDP do.
 """
@@ -209,8 +209,8 @@ def _collective_floor(dense_params: int, calls: int = 100) -> dict:
 
 def _helper_threads_cpu() -> dict[int, float]:
     """CPU seconds so far of each thread of this process but the calling one (the
-    collectives' I/O and worker threads, the allocator's): they share the rank's core with
-    the training thread. Read through each thread's CPU-time clock (clock id built as
+    collectives' I/O and worker threads, the allocator's): they share the machine's cores
+    with the training threads. Read through each thread's CPU-time clock (clock id built as
     Linux's MAKE_THREAD_CPUCLOCK does; no Python API names another thread's clock);
     {} where /proc is absent."""
     me, out = threading.get_native_id(), {}
@@ -438,13 +438,13 @@ def run(quick: bool = False) -> dict:
         # Per step of rank 0: the training thread's CPU time and the rest of the step, which it
         # spends off the CPU, waiting for the other rank in a collective or preempted ("waiting";
         # measured without the profiler), with the CPU time of the rank's other threads, which
-        # share its core, and how often they (or anything else) preempted the training thread
+        # share the cores, and how often they (or anything else) preempted the training thread
         # ("preemptions", per step). Then, under the profiler (which slows the 2-rank step
         # by a third here, and its per-op times are not to be trusted on 2 busy cores), the spans
         # of the store's all-to-alls and DDP's all-reduce, and the rest ("compute").
         "per_step_ms_2rank": {"step": 1e3 * per_step_2, "cpu": 1e3 * two["cpu_seconds"] / steps,
                               "waiting": 1e3 * (two["seconds"] - two["cpu_seconds"]) / steps,
-                              # the rank's other threads (gloo's I/O loop and workers) on its core
+                              # the rank's other threads (gloo's I/O loop and workers)
                               "helper_threads_cpu": 1e3 * two["helper_threads_cpu_s"] / steps,
                               "preemptions": two["preemptions"] / steps,
                               # measured without the profiler, from both ranks' clocks
