@@ -184,8 +184,9 @@ def _collective_floor(dense_params: int, calls: int = 100) -> dict:
     """What the step's collectives cost with nothing else to do, between the same ranks:
     an all-to-all of one int64 per rank (the store's split counts, latency only) and an
     all-reduce of all the dense gradients (the demo's 60K parameters fit DDP's first
-    bucket: one all-reduce a step, `allreduce_per_step`), each the median wall ms of `calls` after warm-up, with the rank's other
-    threads' CPU ms per call (gloo moves the bytes on its own threads). Collective."""
+    bucket: one all-reduce a step, `allreduce_per_step`). Each is the median wall ms of
+    `calls` after warm-up, with the rank's other threads' CPU ms per call (gloo moves the
+    bytes on its own threads). Collective."""
     world = torch.distributed.get_world_size()
     counts, recv = torch.ones(world, dtype=torch.int64), torch.empty(world, dtype=torch.int64)
     grads = torch.zeros(dense_params)
