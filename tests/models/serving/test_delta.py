@@ -124,7 +124,9 @@ def test_a_server_applies_a_delta_while_serving(versions):
             wrong = c.post("/admin/apply-delta", json={"delta": str(deltas["v3"])}, headers=auth)
             assert wrong.status_code == 409 and "'v2'" in wrong.json()["detail"] and "'v1'" in wrong.json()["detail"]
             assert c.post("/admin/apply-delta", json={"delta": str(deltas["v2"])}).status_code == 401
+            deadline = time.monotonic() + 60
             while not seen:  # some answers come from v1 before the delta lands
+                assert time.monotonic() < deadline, "no client got an answer in 60 s"
                 time.sleep(0.01)
             ok = c.post("/admin/apply-delta", json={"delta": str(deltas["v2"])}, headers=auth)
             assert ok.status_code == 200 and ok.json()["model_version"] == "v2", ok.text
