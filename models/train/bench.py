@@ -156,8 +156,7 @@ def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int, s
         torch.distributed.all_to_all_single = all_to_all
     out = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.thread_time() - cpu0, "samples": samples,
            "tokens": tokens, "flops": flops, "sparse_forward_s": sparse_s[0]}
-    helpers1 = _helper_threads_cpu()
-    out["helper_threads_cpu_s"] = sum(cpu - helpers0.get(tid, 0.0) for tid, cpu in helpers1.items())
+    out["helper_threads_cpu_s"] = _helper_cpu_since(helpers0)
     out["preemptions"] = _preemptions() - preempted0
     if trainer.dist.world_size > 1:
         out.update(_all_to_all_waits(exchanges, steps))
@@ -202,9 +201,8 @@ def _collective_floor(dense_params: int, calls: int = 100) -> dict:
             t0 = time.perf_counter()
             op()
             walls.append(1e3 * (time.perf_counter() - t0))
-        helpers1 = _helper_threads_cpu()
+        out[f"{name}_floor_helper_cpu_ms"] = 1e3 * _helper_cpu_since(helpers0) / calls
         out[f"{name}_floor_ms"] = sorted(walls)[calls // 2]
-        out[f"{name}_floor_helper_cpu_ms"] = 1e3 * sum(c - helpers0.get(t, 0.0) for t, c in helpers1.items()) / calls
     return out
 
 
@@ -226,6 +224,12 @@ def _helper_threads_cpu() -> dict[int, float]:
             except OSError:
                 pass  # a thread that has just exited
     return out
+
+
+def _helper_cpu_since(before: dict[int, float]) -> float:
+    """CPU seconds the other threads used since `before` (a `_helper_threads_cpu` reading);
+    a thread started since counts from zero."""
+    return sum(cpu - before.get(tid, 0.0) for tid, cpu in _helper_threads_cpu().items())
 
 
 def _preemptions() -> int:
@@ -346,23 +350,27 @@ def _ml100k(tmp: Path, quick: bool) -> dict:
     steps = (epochs * steps_per_epoch(cfg, 1), epochs * steps_per_epoch(cfg, 2))
     ones, twos, scaling, _ = _take_turns(ML100K_CONFIG, tmp / "ml100k", tmp / "ml100k-runs", steps, ROUNDS[quick],
                                          demo=False)
-    mid = sorted(range(len(scaling)), key=lambda r: scaling[r])[(len(scaling) - 1) // 2]
+    mid = _median_round(scaling)
     one, two = ones[mid], twos[mid]
     return {
         "scaling_2rank_vs_1rank_ml100k": scaling[mid],
         "scaling_2rank_vs_1rank_ml100k_spread": _spread(scaling),
-        "samples_per_s_1rank_ml100k": one["samples"] / one["seconds"],
-        "samples_per_s_2rank_ml100k": 2 * two["samples"] / two["seconds"],
+        "samples_per_s_1rank_ml100k": _rate(one),
+        "samples_per_s_2rank_ml100k": 2 * _rate(two),
         "per_step_ms_ml100k": {"1rank": 1e3 * one["seconds"] / steps[0], "2rank": 1e3 * two["seconds"] / steps[1]},
         "epochs_timed_ml100k": epochs,
     }
 
 
+def _median_round(values: list[float]) -> int:
+    """The index of the median value, the lower middle of an even count: one round's own
+    figure, whose other figures then describe the same round."""
+    return sorted(range(len(values)), key=lambda r: values[r])[(len(values) - 1) // 2]
+
+
 def _spread(values: list[float]) -> dict:
-    """Median (the lower middle of an even count, not statistics.median: one round's own
-    figure, as the median round's other figures are), min, max and count."""
-    ordered = sorted(values)
-    return {"median": ordered[(len(ordered) - 1) // 2], "min": ordered[0], "max": ordered[-1], "n": len(ordered)}
+    """Median (`_median_round`'s value, not statistics.median), min, max and count."""
+    return {"median": values[_median_round(values)], "min": min(values), "max": max(values), "n": len(values)}
 
 
 def _scaling_breakdown(scaling: list[float], parts: list[dict]) -> dict:
@@ -414,7 +422,7 @@ def run(quick: bool = False) -> dict:
         ones, twos, scaling, parts = _take_turns(CONFIG, tmp / "data", tmp, (steps, steps), rounds, breakdown=True)
         ml100k = _ml100k(tmp, quick)
     # The round with the median scaling gives the other figures, so they describe one pair.
-    mid = sorted(range(rounds), key=lambda r: scaling[r])[(rounds - 1) // 2]  # the lower one of two
+    mid = _median_round(scaling)
     one, two = ones[mid], twos[mid]
     per_step_1 = one["seconds"] / steps
     per_step_2 = two["seconds"] / steps
@@ -423,8 +431,8 @@ def run(quick: bool = False) -> dict:
     sparse_share = one["sparse_forward_s"] / one["seconds"]
     comm_share = max(per_step_2 - per_step_1, 0.0) / per_step_2
     return {
-        "samples_per_s_1rank": one["samples"] / one["seconds"],
-        "samples_per_s_2rank": 2 * two["samples"] / two["seconds"],
+        "samples_per_s_1rank": _rate(one),
+        "samples_per_s_2rank": 2 * _rate(two),
         "scaling_2rank_vs_1rank": scaling[mid],
         "scaling_2rank_vs_1rank_spread": _spread(scaling),
         **_scaling_breakdown(scaling, parts),
