@@ -1,11 +1,13 @@
-"""`genrec bench train`'s split of the 2-rank loss: the three parts account for all of it."""
+"""`genrec bench train`'s split of the 2-rank loss (the three parts account for all of it),
+and its per-thread CPU and preemption counters."""
 
-import pytest
-
+import os
 import threading
 import time
 
-from genrec.models.train.bench import _helper_threads_cpu, _preemptions, _scaling_breakdown
+import pytest
+
+from genrec.models.train.bench import _helper_cpu_since, _helper_threads_cpu, _preemptions, _scaling_breakdown
 
 
 def test_the_lost_parts_add_up_to_what_two_ranks_miss_of_twice_one():
@@ -45,9 +47,40 @@ def test_helper_threads_cpu_counts_the_other_threads_and_not_the_caller():
         pass
     spun.wait()
     after = _helper_threads_cpu()
+    since = _helper_cpu_since(before)  # every other thread's growth: the helper's, little else
     stop.set()
     helper.join()
     assert threading.get_native_id() not in after and helper.native_id in after
     # It spun 0.2 s of CPU, a little of it before the first reading.
     assert 0.1 <= after[helper.native_id] - before.get(helper.native_id, 0.0) <= 0.25
-    assert _preemptions() >= 0
+    assert 0.1 <= since <= 0.25 + 0.05
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux's affinity API")
+def test_preemptions_count_the_caller_taken_off_a_shared_core():
+    """Two busy threads on one core: the scheduler must take the caller off it, again and
+    again, while it could still run."""
+    core, allowed = min(os.sched_getaffinity(0)), os.sched_getaffinity(0)
+    ready, stop = threading.Event(), threading.Event()
+
+    def rival():
+        os.sched_setaffinity(0, {core})  # this thread only
+        ready.set()
+        while not stop.is_set():
+            pass
+
+    thread = threading.Thread(target=rival)
+    os.sched_setaffinity(0, {core})
+    try:
+        thread.start()
+        ready.wait()
+        before = _preemptions()
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.2:  # 0.2 s of CPU while the rival wants the core too
+            pass
+        taken_off = _preemptions() - before
+    finally:
+        stop.set()
+        thread.join()
+        os.sched_setaffinity(0, allowed)
+    assert taken_off >= 1
