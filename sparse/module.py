@@ -49,22 +49,74 @@ from .store import TableStore
 from .tiers import remove_slab_files
 
 
-class _Exchange:
-    """Route unique ids of one table to their owner ranks and rows / gradients back."""
+class _Capacity:
+    """Rows per destination rank in the padded first all-to-all of a _GroupExchange. Every
+    rank holds the same value: each one updates it from the same figure, the largest count
+    any rank sent to any rank, which every rank reads from the headers it received."""
 
-    def __init__(self, uniq_L: torch.Tensor, group) -> None:
+    def __init__(self) -> None:
+        self.rows = 0  # 0: the first exchange learns the sizes, then sends them ahead of need
+
+    def update(self, need: int) -> None:
+        if need > self.rows or 4 * need < self.rows:  # grow past a larger need, shrink after a much smaller one
+            self.rows = need + (need + 3) // 4
+
+
+class _Exchange:
+    """Route unique ids of one table to their owner ranks and rows / gradients back.
+
+    Given a payload and a _Capacity, the split counts travel in the same all-to-all as the
+    payload: each rank sends every rank a block of `capacity.rows` payload rows behind a
+    header (its count for that rank, and the largest count it has for any rank). When every
+    header's largest count fits, that one round trip delivered everything; otherwise the
+    payload goes again with the counts now known, as without a capacity. Every rank reads
+    the same largest counts, so all agree on which happened and on the next capacity. This
+    saves one of the forward's three round trips between the ranks, which cost far more
+    than their bytes on busy cores (genrec bench train's alltoall_own)."""
+
+    def __init__(self, uniq_L: torch.Tensor, group, payload_LK: torch.Tensor | None = None,
+                 capacity: _Capacity | None = None) -> None:
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
+        self.payload_R = payload_LK
         if self.world == 1:
             self.order_L = None
             return
         owner_L = owner_rank(uniq_L, self.world)
         self.order_L = torch.argsort(owner_L, stable=True)
         self.send_splits = torch.bincount(owner_L, minlength=self.world)
+        self.send_list = self.send_splits.tolist()
+        if payload_LK is not None and capacity is not None:
+            self.payload_R = self._counts_with_payload(payload_LK, capacity)
+            return
         recv = torch.empty_like(self.send_splits)
         dist.all_to_all_single(recv, self.send_splits, group=group)
-        self.recv_splits = recv
-        self.send_list, self.recv_list = self.send_splits.tolist(), recv.tolist()
+        self.recv_list = recv.tolist()
+        if payload_LK is not None:
+            self.payload_R = self.to_owner(payload_LK)
+
+    def _counts_with_payload(self, payload_LK: torch.Tensor, capacity: _Capacity) -> torch.Tensor:
+        world, rows, width = self.world, capacity.rows, payload_LK.shape[1]
+        assert width >= 2, "the header needs two columns"
+        need = max(self.send_list)
+        x_S = payload_LK.index_select(0, self.order_L)
+        send = x_S.new_zeros(world, 1 + rows, width)
+        send[:, 0, 0], send[:, 0, 1] = self.send_splits, need
+        if 0 < need <= rows:  # row i of destination j's run goes to block j, slot 1 + i
+            starts = torch.cumsum(self.send_splits, 0) - self.send_splits
+            owner_S = torch.repeat_interleave(torch.arange(world), self.send_splits, output_size=x_S.shape[0])
+            slot_S = owner_S * (1 + rows) + 1 + torch.arange(x_S.shape[0]) - starts[owner_S]
+            send.view(-1, width).index_copy_(0, slot_S, x_S)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        self.recv_list = recv[:, 0, 0].tolist()
+        most = int(recv[:, 0, 1].max())
+        capacity.update(most)
+        if most <= rows:
+            return torch.cat([recv[j, 1 : 1 + n] for j, n in enumerate(self.recv_list)])
+        out = x_S.new_empty((sum(self.recv_list), width))
+        dist.all_to_all_single(out, x_S, self.recv_list, self.send_list, group=self.group)
+        return out
 
     def to_owner(self, x_L: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
@@ -94,9 +146,10 @@ def _apply_rows_grad(store, ids_U, grad_UD, admitted_U, locations, now) -> None:
 
 
 class _GroupExchange:
-    """All tables of one lookup routed to their owners together: three all-to-alls in the
-    forward (split counts; ids, counts and table numbers; rows) and one in the backward
-    (gradients), whatever the number of tables. One exchange per table made a 2-rank step
+    """All tables of one lookup routed to their owners together: two all-to-alls in the
+    forward (ids, counts and table numbers with their split counts, in a block of the
+    shared _Capacity; rows), a third when a rank's ids outgrow that block, and one in the
+    backward (gradients), whatever the number of tables. One exchange per table made a 2-rank step
     of the demo model (7 tables) about 28 gloo collectives, each a round trip between the
     ranks. Rows of tables of different widths travel zero-padded to the widest.
 
@@ -107,13 +160,12 @@ class _GroupExchange:
     ids (`_U`), which rows and gradients use in one gather / one index_add each."""
 
     def __init__(self, uniq_per_table: list[torch.Tensor], cnt_per_table: list[torch.Tensor], dims: list[int],
-                 group) -> None:
+                 group, capacity: _Capacity | None = None) -> None:
         self.sizes, self.dims, self.width = [u.numel() for u in uniq_per_table], dims, max(dims)
         ids_L = torch.cat(uniq_per_table)
         table_L = torch.repeat_interleave(torch.arange(len(dims)), torch.tensor(self.sizes), output_size=ids_L.numel())
-        self.ex = _Exchange(ids_L, group)
-        ids_R, cnt_R, table_R = self.ex.to_owner(torch.stack([ids_L, torch.cat(cnt_per_table), table_L], dim=1)
-                                                 ).unbind(1)
+        self.ex = _Exchange(ids_L, group, torch.stack([ids_L, torch.cat(cnt_per_table), table_L], dim=1), capacity)
+        ids_R, cnt_R, table_R = self.ex.payload_R.unbind(1)
         # Table-major, id-minor order of the received pairs (two stable sorts).
         by_id = torch.argsort(ids_R, stable=True)
         order = by_id[torch.argsort(table_R[by_id], stable=True)]
@@ -288,6 +340,8 @@ class TieredEmbeddingCollection(nn.Module):
                                            kernels=config.kernels)
             self.stores[name].track_removals = config.snapshot_max_deltas > 0
         self.event_time: int | None = None
+        # The grouped exchange's first all-to-all (see _Exchange), per lookup's feature keys.
+        self._capacity: dict[tuple[str, ...], _Capacity] = {}
         # Leaf that makes the fused outputs require grad; it never receives a gradient.
         self._anchor = torch.zeros((), requires_grad=True)
 
@@ -396,7 +450,8 @@ class TieredEmbeddingCollection(nn.Module):
         stores = [self.stores[name] for name, _ in tables]
         uniq, inverse, counts = zip(*(torch.unique(self._table_ids(feats), return_inverse=True, return_counts=True)
                                       for _, feats in tables))
-        ex = _GroupExchange(list(uniq), list(counts), [s.dim for s in stores], self.group)
+        capacity = self._capacity.setdefault(tuple(k for _, feats in tables for k, _ in feats), _Capacity())
+        ex = _GroupExchange(list(uniq), list(counts), [s.dim for s in stores], self.group, capacity)
         admitted, locations = [], []
         for t, store in enumerate(stores):
             ids_U, cnt_U = ex.owner_ids[t], ex.owner_counts[t]

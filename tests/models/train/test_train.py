@@ -267,10 +267,15 @@ def test_two_ranks_equal_one_rank_on_the_same_global_batch(prepared, tmp_path, n
     _spawn(_train_on, 2, json.dumps(to_dict(cfg2)), result + "2")
     one = torch.load(result + "1.0")
     r0, r1 = torch.load(result + "2.0"), torch.load(result + "2.1")
-    # One exchange per step for the batch's rows (3 all-to-alls forward, 1 backward), the
-    # corpus of "full" negatives included; "shared" draws its negatives after the tower runs
-    # and looks them up in a second exchange.
-    assert r0["exchanges"] == r1["exchanges"] == [4 if negatives == "full" else 8] * 3
+    # One exchange per step for the batch's rows, the corpus of "full" negatives included;
+    # "shared" draws its negatives after the tower runs and looks them up in a second
+    # exchange. An exchange is 4 all-to-alls while it learns the sizes (split counts, ids,
+    # rows, gradients), then 3 (the counts travel with the ids) unless a batch outgrows them.
+    lookups = 1 if negatives == "full" else 2
+    assert r0["exchanges"] == r1["exchanges"]
+    assert r0["exchanges"][0] == 4 * lookups
+    assert all(3 * lookups <= n <= 4 * lookups for n in r0["exchanges"])
+    assert r0["exchanges"][-1] < 4 * lookups
     two_losses = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
     assert two_losses == pytest.approx(one["losses"], rel=1e-5, abs=1e-6)
     # Dense replicas stay identical across ranks and equal to the single-rank run.
