@@ -20,8 +20,10 @@ are deduplicated (torch.unique) and, with several ranks, sent to their owner ran
 move to the device tier too; on CPU both are process memory and they stay), and the
 rows come back. The returned values are the output of one autograd Function whose
 backward sums row gradients per unique id, sends them to the owners and applies the
-sparse optimizer to the rows wherever they live at that moment: the trainer calls only
-loss.backward(). Every rank must call forward with the same keys and run backward on
+sparse optimizer to the rows wherever they live at that moment: a caller needs only
+loss.backward(). With several ranks the trainer sets `defer_row_updates`: backward then
+only starts the gradients' all-to-all, and `finish_row_updates()` after the dense
+optimizer step applies them (the next lookup would, too). Every rank must call forward with the same keys and run backward on
 the outputs of every training forward (the backward holds collectives). On one rank with
 native kernels and CPU rows, deduplication, lookup and gather are one native call
 (TableStore.train_forward) and the backward one more; rows to create or move take the
@@ -118,13 +120,14 @@ class _Exchange:
         dist.all_to_all_single(out, x_S, self.recv_list, self.send_list, group=self.group)
         return out
 
-    def to_owner(self, x_L: torch.Tensor) -> torch.Tensor:
+    def to_owner(self, x_L: torch.Tensor, async_op: bool = False):
+        """x_L's rows on their owners; with async_op, (rows, work): the rows once work.wait()."""
         if self.world == 1:
-            return x_L
+            return (x_L, None) if async_op else x_L
         x_S = x_L.index_select(0, self.order_L.to(x_L.device))  # ~6x faster than x_L[order] on CPU
         out = x_S.new_empty((sum(self.recv_list), *x_S.shape[1:]))
-        dist.all_to_all_single(out, x_S, self.recv_list, self.send_list, group=self.group)
-        return out
+        work = dist.all_to_all_single(out, x_S, self.recv_list, self.send_list, group=self.group, async_op=async_op)
+        return (out, work) if async_op else out
 
     def from_owner(self, x_R: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
@@ -194,28 +197,37 @@ class _GroupExchange:
         rows_L = self.ex.from_owner(self.rows_U.index_select(0, self.inv_R.to(self.rows_U.device)))
         return [part[:, :d] for part, d in zip(rows_L.split(self.sizes), self.dims)]
 
-    def grads_to_owner(self, grads_per_table: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per-table gradients of this rank's unique ids -> each table's gradients summed per
-        owner-side unique id (`owner_ids[t]`'s order)."""
+    def grads_to_owner(self, grads_per_table: list[torch.Tensor]):
+        """Per-table gradients of this rank's unique ids -> a function that returns each
+        table's gradients summed per owner-side unique id (`owner_ids[t]`'s order) once
+        they have arrived: the all-to-all is under way when this returns."""
         padded = torch.cat([g if g.shape[1] == self.width else F.pad(g, (0, self.width - g.shape[1]))
                             for g in grads_per_table])
-        grad_R = self.ex.to_owner(padded)
-        # Each unique id's gradients are added in the order they were received, as a
-        # per-table index_add over the received rows adds them.
-        grad_U = grad_R.new_zeros(sum(self.owner_sizes), self.width).index_add_(0, self.inv_R.to(grad_R.device),
-                                                                              grad_R)
-        return [part[:, :d].contiguous() for part, d in zip(grad_U.split(self.owner_sizes), self.dims)]
+        grad_R, work = self.ex.to_owner(padded, async_op=True)
+
+        def arrived() -> list[torch.Tensor]:
+            if work is not None:
+                work.wait()
+            # Each unique id's gradients are added in the order they were received, as a
+            # per-table index_add over the received rows adds them.
+            grad_U = grad_R.new_zeros(sum(self.owner_sizes), self.width).index_add_(
+                0, self.inv_R.to(grad_R.device), grad_R)
+            return [part[:, :d].contiguous() for part, d in zip(grad_U.split(self.owner_sizes), self.dims)]
+
+        return arrived
 
 
 class _GroupCall:
     """The backward of one grouped lookup: each table's member hands in its gradient, and
-    the last one sends them all to their owners in one exchange and applies them."""
+    the last one sends them all to their owners in one exchange and applies them, or,
+    where the collection defers row updates, leaves the applying to its next
+    finish_row_updates() while the gradients travel."""
 
     def __init__(self, ex: _GroupExchange, stores, inverse_per_table, admitted, locations, now,
-                 apply_order: list[int]) -> None:
+                 apply_order: list[int], deferred: list | None) -> None:
         self.ex, self.stores, self.inverse, self.admitted, self.locations, self.now = (
             ex, stores, inverse_per_table, admitted, locations, now)
-        self.apply_order = apply_order
+        self.apply_order, self.deferred = apply_order, deferred
         self.grads: dict[int, torch.Tensor] = {}
 
     def apply_grad(self, t: int, grad_ND: torch.Tensor) -> None:
@@ -223,10 +235,18 @@ class _GroupCall:
         self.grads[t] = grad_ND.new_zeros(self.ex.sizes[t], grad_ND.shape[1]).index_add_(0, self.inverse[t], grad_ND)
         if len(self.grads) < len(self.stores):
             return
-        grads_U = self.ex.grads_to_owner([self.grads[i] for i in range(len(self.stores))])
-        for e in self.apply_order:
-            _apply_rows_grad(self.stores[e], self.ex.owner_ids[e], grads_U[e], self.admitted[e], self.locations[e],
-                             self.now)
+        arrived = self.ex.grads_to_owner([self.grads[i] for i in range(len(self.stores))])
+
+        def apply() -> None:
+            grads_U = arrived()
+            for e in self.apply_order:
+                _apply_rows_grad(self.stores[e], self.ex.owner_ids[e], grads_U[e], self.admitted[e],
+                                 self.locations[e], self.now)
+
+        if self.deferred is None:
+            apply()
+        else:
+            self.deferred.append(apply)
 
 
 class _GroupMember:
@@ -342,8 +362,21 @@ class TieredEmbeddingCollection(nn.Module):
         self.event_time: int | None = None
         # The grouped exchange's first all-to-all (see _Exchange), per lookup's feature keys.
         self._capacity: dict[tuple[str, ...], _Capacity] = {}
+        self.defer_row_updates = False
+        """With several ranks, backward only starts sending the row gradients to their owners;
+        finish_row_updates() (the trainer's, after its dense optimizer step: the gradients
+        travel meanwhile) applies them. Every method that reads or looks up rows finishes
+        them first, so results are the same; only a caller reading `stores` directly must
+        call it itself."""
+        self._deferred: list = []
         # Leaf that makes the fused outputs require grad; it never receives a gradient.
         self._anchor = torch.zeros((), requires_grad=True)
+
+    def finish_row_updates(self) -> None:
+        """Apply the row gradients of backwards run with `defer_row_updates` (collective
+        when some are pending: every rank has the same ones)."""
+        while self._deferred:
+            self._deferred.pop(0)()
 
     def set_event_time(self, ts: int) -> None:
         """Event time (unix seconds) of the coming batches: drives TTL and last-update times."""
@@ -400,6 +433,7 @@ class TieredEmbeddingCollection(nn.Module):
         return self._lookup(kjts)
 
     def _lookup(self, kjts: list[KeyedJaggedTensor]) -> list[dict[str, JaggedTensor]]:
+        self.finish_row_updates()
         train = self.training and torch.is_grad_enabled()
         now = self.event_time
         entries = [(i, name, feats) for i, kjt in enumerate(kjts) for name, feats in self._ids_per_table(kjt)]
@@ -466,11 +500,13 @@ class TieredEmbeddingCollection(nn.Module):
         inverse = [inv.to(v.device) for inv, v in zip(inverse, values)]
         if not train:
             return [_EvalCall(inv) for inv in inverse], values
-        group = _GroupCall(ex, stores, inverse, admitted, locations, now, apply_order)
+        group = _GroupCall(ex, stores, inverse, admitted, locations, now, apply_order,
+                           self._deferred if self.defer_row_updates else None)
         return [_GroupMember(group, t) for t in range(len(stores))], values
 
     def prefetch(self, kjt: KeyedJaggedTensor) -> None:
         """Bring the existing rows of an upcoming batch up to the device tier (collective)."""
+        self.finish_row_updates()
         with torch.no_grad():
             for name, feats in self._ids_per_table(kjt):
                 ids = torch.unique(torch.cat([jt.values() for _, jt in feats]).to(torch.int64).cpu())
@@ -485,6 +521,7 @@ class TieredEmbeddingCollection(nn.Module):
         so training is bit for bit the same with or without it. Collective with several ranks
         (the ids go to their owners first: every rank calls it with the same keys, or none
         does). Returns the SSD rows this rank advised."""
+        self.finish_row_updates()
         advised = 0
         with torch.no_grad():
             for kjt in kjts:
@@ -499,6 +536,7 @@ class TieredEmbeddingCollection(nn.Module):
     # ------------------------------------------------------------------ stats / snapshots
     def stats(self) -> dict[str, dict[str, int]]:
         """Per table on this rank: rows per tier, lookup hits per tier, misses (new rows)."""
+        self.finish_row_updates()
         out = {}
         for name, s in self.stores.items():
             out[name] = {f"rows_{n}": t.num_used for n, t in zip(("device", "host", "ssd"), s.tiers)}
@@ -510,6 +548,7 @@ class TieredEmbeddingCollection(nn.Module):
         """Atomic, checksummed snapshot of every table (collective when distributed): a
         delta on the last one where `snapshot_max_deltas` allows (snapshot.py), unless
         `full`. Returns the files this rank wrote."""
+        self.finish_row_updates()
         from .snapshot import save_snapshot
 
         return save_snapshot(self, path, max_deltas=0 if full else self.config.snapshot_max_deltas)
@@ -522,6 +561,7 @@ class TieredEmbeddingCollection(nn.Module):
 
     def load_snapshot(self, path: str) -> None:
         """Load a snapshot saved under any world size (collective when distributed)."""
+        self.finish_row_updates()
         from .snapshot import load_snapshot
 
         load_snapshot(self, path)

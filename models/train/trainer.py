@@ -141,6 +141,7 @@ class Trainer:
         # N ranks reproduce one rank's run on the same global batch.
         seed_everything(tc.seed, tc.deterministic)
         self.model, self.store = build_model(cfg, dist_info)
+        self.store.defer_row_updates = True  # finished in train_step, after the dense optimizer step
         mode = cfg.sparse.read_ahead
         self.read_ahead = tc.pipeline and (mode == "on" or (mode == "auto" and dist_info.world_size == 1))
         self.model.set_item_corpus(*load_item_corpus(cfg.data.path))
@@ -243,6 +244,7 @@ class Trainer:
             self.scaler.update()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+        self.store.finish_row_updates()  # their gradients travelled during the dense step
         parts["loss"] = float(loss.detach())
         parts["lr"] = self.scheduler.get_last_lr()[0]
         return parts

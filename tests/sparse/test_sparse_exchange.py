@@ -80,3 +80,44 @@ def test_counts_travel_with_the_payload_and_every_rank_agrees(tmp_path):
         before = capacities[step]
     assert calls[0] == 2 and calls[1] == 1 and calls[2] == 2, calls  # learn; fit; rank 2 alone overflows
     assert capacities[4] < capacities[3], capacities  # shrinks after a much smaller step
+
+
+def _deferring_worker(rank: int, port: int, out_dir: str) -> None:
+    from test_sparse_dist import global_batch, kjts, make_config, rows_by_id
+
+    from genrec.sparse import TieredEmbeddingCollection
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    now, later = TieredEmbeddingCollection(make_config()), TieredEmbeddingCollection(make_config())
+    later.defer_row_updates = True
+    for step in range(6):
+        for tec in (now, later):
+            hist, neg = kjts(global_batch(step)[rank::WORLD])
+            out, out_neg = tec.lookup_many([hist, neg]) if step % 2 else (tec(hist), tec(neg))
+            before = rows_by_id(tec)
+            (out["item_id"].values().square().sum() + out["action"].values().sum()
+             - out_neg["neg_item"].values().sum()).backward()
+            if tec is later:
+                pending = len(tec._deferred)
+                untouched = all(torch.equal(before[n][1], rows_by_id(tec)[n][1]) for n in before)
+                assert pending >= 1 and untouched, f"rank {rank} step {step}: backward applied the rows"
+                if step % 3 == 2:
+                    tec.finish_row_updates()  # otherwise the next lookup must finish them itself
+        if step % 3 == 2:
+            for name, (ids, rows) in rows_by_id(now).items():
+                assert torch.equal(ids, rows_by_id(later)[name][0]) and torch.equal(rows, rows_by_id(later)[name][1])
+    later.finish_row_updates()
+    torch.save({"now": rows_by_id(now), "later": rows_by_id(later)}, os.path.join(out_dir, f"defer{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_deferred_row_updates_give_the_same_rows(tmp_path):
+    mp.spawn(_deferring_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    owned = 0
+    for r in range(WORLD):
+        out = torch.load(tmp_path / f"defer{r}.pt")
+        for name, (ids, rows) in out["now"].items():
+            owned += ids.numel()
+            assert torch.equal(ids, out["later"][name][0]) and torch.equal(rows, out["later"][name][1]), (r, name)
+    assert owned > 0
