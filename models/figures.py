@@ -118,6 +118,8 @@ TABLES: dict[str, tuple[tuple[str, ...], list[tuple[str, str, str | None]]]] = {
         ("2 ranks: ms per step in all-to-alls waiting for the other rank to arrive",
          "per_step_ms_2rank.alltoall_wait_for_other_rank", None),
         ("2 ranks: ms per step in all-to-alls once both ranks are in", "per_step_ms_2rank.alltoall_own", None),
+        ("2 ranks: ms per step still waiting for the backward's all-to-all after the dense optimizer step",
+         "per_step_ms_2rank.alltoall_deferred_blocked", None),
         ("2 ranks: median ms of one all-to-all once both ranks are in",
          "per_step_ms_2rank.alltoall_own_median_per_call", None),
         ("2 ranks, alone: ms of one all-to-all of split counts (latency only)", "per_step_ms_2rank.alltoall_floor", None),

@@ -134,11 +134,14 @@ def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int, s
     matmul_params = _tower_matmul_params(cfg)
     sparse_s[0], flops, samples, tokens = 0.0, 0.0, 0, 0
     exchanges: list[tuple[float, float]] = []
+    blocked: list[float] = []  # seconds in each wait() of an all-to-all started with async_op
     all_to_all = torch.distributed.all_to_all_single
 
     def timed_all_to_all(*args, **kwargs):  # the store's exchanges: when this rank entered and left each
         t = time.perf_counter()
         out = all_to_all(*args, **kwargs)
+        if kwargs.get("async_op"):  # the backward's gradients, waited for after the dense step
+            return _TimedWork(out, blocked)
         exchanges.append((t, time.perf_counter()))
         return out
 
@@ -160,6 +163,8 @@ def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int, s
     out["preemptions"] = _preemptions() - preempted0
     if trainer.dist.world_size > 1:
         out.update(_all_to_all_waits(exchanges, steps))
+        out["alltoall_per_step"] += len(blocked) / steps
+        out["alltoall_deferred_blocked_ms"] = 1e3 * sum(blocked) / steps
         profiled = min(5, steps)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t1 = time.perf_counter()
@@ -177,6 +182,19 @@ def _time_ranks(cfg_path: Path, overrides: list[str], steps: int, warmup: int, s
 
         out.update(_collective_floor(sum(p.numel() for _, p in dense_named_parameters(trainer.model))))
     return out
+
+
+class _TimedWork:
+    """An all-to-all started with async_op: adds the seconds its wait() blocks to `blocked`."""
+
+    def __init__(self, work, blocked: list[float]) -> None:
+        self.work, self.blocked = work, blocked
+
+    def wait(self, *args, **kwargs):
+        t = time.perf_counter()
+        out = self.work.wait(*args, **kwargs)
+        self.blocked.append(time.perf_counter() - t)
+        return out
 
 
 def _collective_floor(dense_params: int, calls: int = 100) -> dict:
@@ -242,7 +260,7 @@ def _preemptions() -> int:
 
 
 def _all_to_all_waits(spans: list[tuple[float, float]], steps: int) -> dict:
-    """Rank 0's all-to-alls split, per step, into waiting for the other ranks to arrive (the
+    """Rank 0's blocking all-to-alls split, per step, into waiting for the other ranks to arrive (the
     last rank's entry minus this rank's) and the collective's own time once all were there
     (this rank's exit minus the last entry), from every rank's (entry, exit) times on the
     machine's monotonic clock (perf_counter: one clock for all processes of a machine,
@@ -461,6 +479,9 @@ def run(quick: bool = False) -> dict:
                               "alltoall_wait_for_other_rank": two["alltoall_wait_for_other_rank_ms"],
                               "alltoall_own": two["alltoall_own_ms"],
                               "alltoall_own_median_per_call": two["alltoall_own_median_ms"],
+                              # the backward's all-to-all travels during the dense optimizer
+                              # step (the store's deferred row updates): what is left to wait
+                              "alltoall_deferred_blocked": two["alltoall_deferred_blocked_ms"],
                               "profiled_step": two["profiled_step_ms"],
                               "alltoall": two["alltoall_ms"], "allreduce": two["allreduce_ms"],
                               # the same collectives alone between the ranks (`_collective_floor`)
