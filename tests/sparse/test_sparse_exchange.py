@@ -1,19 +1,21 @@
 """The grouped exchange's first all-to-all carries its split counts in a block of a shared
 capacity: 3 gloo ranks whose id counts grow, shrink, overflow on one rank only and drop
 to zero must receive exactly what the exchange with counts sent ahead delivers, make the
-same number of all-to-alls on every rank, and agree on the capacity."""
+same number of all-to-alls on every rank, and agree on the capacity. Row updates deferred
+past backward give the same rows, bit for bit, as updates applied in it."""
 
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from genrec.sparse import TieredEmbeddingCollection
 from genrec.sparse.module import _Capacity, _Exchange
+from test_sparse_dist import _free_port, global_batch, kjts, make_config, rows_by_id
 
 WORLD = 3
 # Ids per rank at each step: the same sizes (capacity learnt, then used), rank 2 alone far
@@ -52,12 +54,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_counts_travel_with_the_payload_and_every_rank_agrees(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
@@ -83,10 +79,6 @@ def test_counts_travel_with_the_payload_and_every_rank_agrees(tmp_path):
 
 
 def _deferring_worker(rank: int, port: int, out_dir: str) -> None:
-    from test_sparse_dist import global_batch, kjts, make_config, rows_by_id
-
-    from genrec.sparse import TieredEmbeddingCollection
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     now, later = TieredEmbeddingCollection(make_config()), TieredEmbeddingCollection(make_config())
