@@ -23,8 +23,9 @@ backward sums row gradients per unique id, sends them to the owners and applies 
 sparse optimizer to the rows wherever they live at that moment: a caller needs only
 loss.backward(). With several ranks the trainer sets `defer_row_updates`: backward then
 only starts the gradients' all-to-all, and `finish_row_updates()` after the dense
-optimizer step applies them (the next lookup would, too). Every rank must call forward with the same keys and run backward on
-the outputs of every training forward (the backward holds collectives). On one rank with
+optimizer step applies them (the next lookup would, too). Every rank must call forward
+with the same keys and run backward on the outputs of every training forward (the
+backward holds collectives). On one rank with
 native kernels and CPU rows, deduplication, lookup and gather are one native call
 (TableStore.train_forward) and the backward one more; rows to create or move take the
 general path inside it.
@@ -152,9 +153,9 @@ class _GroupExchange:
     """All tables of one lookup routed to their owners together: two all-to-alls in the
     forward (ids, counts and table numbers with their split counts, in a block of the
     shared _Capacity; rows), a third when a rank's ids outgrow that block, and one in the
-    backward (gradients), whatever the number of tables. One exchange per table made a 2-rank step
-    of the demo model (7 tables) about 28 gloo collectives, each a round trip between the
-    ranks. Rows of tables of different widths travel zero-padded to the widest.
+    backward (gradients), whatever the number of tables. One exchange per table made a
+    2-rank step of the demo model (7 tables) about 28 gloo collectives, each a round trip
+    between the ranks. Rows of tables of different widths travel zero-padded to the widest.
 
     On the owner, the received (table, id) pairs are grouped by one sort for all tables,
     not a selection and a torch.unique per table: table t's unique ids are `owner_ids[t]`
@@ -373,8 +374,8 @@ class TieredEmbeddingCollection(nn.Module):
         self._anchor = torch.zeros((), requires_grad=True)
 
     def finish_row_updates(self) -> None:
-        """Apply the row gradients of backwards run with `defer_row_updates` (collective
-        when some are pending: every rank has the same ones)."""
+        """Apply the row gradients of backwards run with `defer_row_updates`: wait for
+        their all-to-alls, already under way, and run the sparse optimizer on the rows."""
         while self._deferred:
             self._deferred.pop(0)()
 
