@@ -122,7 +122,7 @@ TABLES: dict[str, tuple[tuple[str, ...], list[tuple[str, str, str | None]]]] = {
          "per_step_ms_2rank.alltoall_deferred_blocked", None),
         ("2 ranks: median ms of one all-to-all once both ranks are in",
          "per_step_ms_2rank.alltoall_own_median_per_call", None),
-        ("2 ranks, alone: ms of one all-to-all of split counts (latency only)", "per_step_ms_2rank.alltoall_floor", None),
+        ("2 ranks, alone: ms of one all-to-all of one int64 per rank (latency only)", "per_step_ms_2rank.alltoall_floor", None),
         ("2 ranks, alone: CPU ms of the rank's other threads per such all-to-all",
          "per_step_ms_2rank.alltoall_floor_helper_cpu", None),
         ("2 ranks, alone: ms of one all-reduce of the dense gradients", "per_step_ms_2rank.allreduce_floor", None),

@@ -199,7 +199,7 @@ class _TimedWork:
 
 def _collective_floor(dense_params: int, calls: int = 100) -> dict:
     """What the step's collectives cost with nothing else to do, between the same ranks:
-    an all-to-all of one int64 per rank (the store's split counts, latency only) and an
+    an all-to-all of one int64 per rank (latency only, none of the store's payload) and an
     all-reduce of all the dense gradients (the demo's 60K parameters fit DDP's first
     bucket: one all-reduce a step, `allreduce_per_step`). Each is the median wall ms of
     `calls` after warm-up, with the rank's other threads' CPU ms per call (gloo moves the
@@ -260,11 +260,11 @@ def _preemptions() -> int:
 
 
 def _all_to_all_waits(spans: list[tuple[float, float]], steps: int) -> dict:
-    """Rank 0's blocking all-to-alls split, per step, into waiting for the other ranks to arrive (the
-    last rank's entry minus this rank's) and the collective's own time once all were there
-    (this rank's exit minus the last entry), from every rank's (entry, exit) times on the
-    machine's monotonic clock (perf_counter: one clock for all processes of a machine,
-    which the bench's ranks share). Collective: every rank calls it."""
+    """Rank 0's blocking all-to-alls split, per step, into waiting for the other ranks to
+    arrive (the last rank's entry minus this rank's) and the collective's own time once all
+    were there (this rank's exit minus the last entry), from every rank's (entry, exit)
+    times on the machine's monotonic clock (perf_counter: one clock for all processes of a
+    machine, which the bench's ranks share). Collective: every rank calls it."""
     every: list[list[tuple[float, float]]] = [[] for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather_object(every, spans)
     mine = every[0]
