@@ -68,7 +68,7 @@ class _Capacity:
 class _Exchange:
     """Route unique ids of one table to their owner ranks and rows / gradients back.
 
-    Given a payload and a _Capacity, the split counts travel in the same all-to-all as the
+    Given a payload (with the _Capacity its exchanges share), the split counts travel in the same all-to-all as the
     payload: each rank sends every rank a block of `capacity.rows` payload rows behind a
     header (its count for that rank, and the largest count it has for any rank). When every
     header's largest count fits, that one round trip delivered everything; otherwise the
@@ -89,14 +89,12 @@ class _Exchange:
         self.order_L = torch.argsort(owner_L, stable=True)
         self.send_splits = torch.bincount(owner_L, minlength=self.world)
         self.send_list = self.send_splits.tolist()
-        if payload_LK is not None and capacity is not None:
+        if payload_LK is not None:
             self.payload_R = self._counts_with_payload(payload_LK, capacity)
             return
         recv = torch.empty_like(self.send_splits)
         dist.all_to_all_single(recv, self.send_splits, group=group)
         self.recv_list = recv.tolist()
-        if payload_LK is not None:
-            self.payload_R = self.to_owner(payload_LK)
 
     def _counts_with_payload(self, payload_LK: torch.Tensor, capacity: _Capacity) -> torch.Tensor:
         world, rows, width = self.world, capacity.rows, payload_LK.shape[1]
@@ -164,7 +162,7 @@ class _GroupExchange:
     ids (`_U`), which rows and gradients use in one gather / one index_add each."""
 
     def __init__(self, uniq_per_table: list[torch.Tensor], cnt_per_table: list[torch.Tensor], dims: list[int],
-                 group, capacity: _Capacity | None = None) -> None:
+                 group, capacity: _Capacity) -> None:
         self.sizes, self.dims, self.width = [u.numel() for u in uniq_per_table], dims, max(dims)
         ids_L = torch.cat(uniq_per_table)
         table_L = torch.repeat_interleave(torch.arange(len(dims)), torch.tensor(self.sizes), output_size=ids_L.numel())

@@ -46,8 +46,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         calls.append(0)
         got = _Exchange(ids, dist.group.WORLD, payload, capacity)
         calls.append(0)
-        want = _Exchange(ids, dist.group.WORLD, payload)  # the counts first, then the payload
-        record.append({"got": got.payload_R, "want": want.payload_R, "recv": got.recv_list,
+        want = _Exchange(ids, dist.group.WORLD)  # the counts first, then the payload
+        record.append({"got": got.payload_R, "want": want.to_owner(payload), "recv": got.recv_list,
                        "want_recv": want.recv_list, "send": want.send_list, "capacity": capacity.rows})
     dist.all_to_all_single = real
     torch.save({"record": record, "calls": calls[0::2]}, os.path.join(out_dir, f"rank{rank}.pt"))
