@@ -124,14 +124,52 @@ class SequenceTower(nn.Module):
 
     @torch.no_grad()
     def encode_history(self, values_TD: torch.Tensor, offsets_B1: torch.Tensor,
-                       timestamps_T: torch.Tensor,
-                       query_time_B: torch.Tensor | None = None) -> tuple[torch.Tensor, HistoryCache]:
+                       timestamps_T: torch.Tensor, query_time_B: torch.Tensor | None = None,
+                       last_only: bool = False) -> tuple[torch.Tensor, HistoryCache]:
         """Causal encoding of the histories, keeping each layer's keys and values; equals the
         history rows of forward(history + candidates, num_targets_B, query_time_B) for the
-        same query_time_B (candidates never change the history's query times)."""
+        same query_time_B (candidates never change the history's query times).
+
+        last_only: the states are each row's last history state [B, D] (what retrieval reads)
+        instead of [T, D]; the last layer then attends from those rows only (see `last_states`)."""
+        states, (K, V, ts_BL, valid_BL), layout = self._encode_rows(values_TD, offsets_B1, timestamps_T,
+                                                                   query_time_B, keep_kv=True,
+                                                                   last_only=last_only)
+        cache = HistoryCache(history_lengths_B=layout.lengths_B, timestamps_BL=ts_BL, valid_BL=valid_BL,
+                             keys=K, values=V)
+        return states, cache
+
+    @torch.no_grad()
+    def last_states(self, values_TD: torch.Tensor, offsets_B1: torch.Tensor, timestamps_T: torch.Tensor,
+                    query_time_B: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's last state [B, D]: forward(...)[offsets_B1[1:] - 1] (every row needs a
+        token), for inference. The last layer's other rows feed nothing, so that layer
+        projects every token (its keys and values) but attends from each row's last token
+        only: at length N it does 1/N of its attention and output work."""
+        return self._encode_rows(values_TD, offsets_B1, timestamps_T, query_time_B, keep_kv=False,
+                                 last_only=True)[0]
+
+    def _encode_rows(self, values_TD, offsets_B1, timestamps_T, query_time_B, *, keep_kv: bool,
+                     last_only: bool):
+        """-> (states [T, D], or [B, D] with last_only; (keys, values, timestamps_BL, valid_BL),
+        the padded per-layer cache (keep_kv), only the last layer's without it; layout)."""
         self._check_values(values_TD, offsets_B1, "values_TD")
         layout = self._layout(offsets_B1, timestamps_T, None, query_time_B)
-        states, kvs = self._run_layers(self._embed_input(values_TD, layout.positions_T), layout, keep_kv=True)
+        if last_only and layout.batch_size and int(layout.lengths_B.min()) == 0:
+            raise ValueError("last_only needs at least one token in every row (offsets_B1 has an empty row)")
+        x_TD = self._embed_input(values_TD, layout.positions_T)
+        last = self.layers[-1]
+        # A block whose output mixes in neighbours' values (HSTU's lowpass) runs whole.
+        trim = last_only and not getattr(last, "lowpass_mix", 0)
+        kvs, uq = [], None
+        for i, layer in enumerate(self.layers):
+            if trim and layer is last:
+                u, q, k, v = layer.project(x_TD)
+                uq = (u, q)
+            else:
+                x_TD, k, v = layer(x_TD, layout, return_kv=True)
+            if keep_kv or (trim and layer is last):
+                kvs.append((k, v))
         B, L = layout.batch_size, layout.max_len
         index = layout.padded_index()
 
@@ -147,10 +185,45 @@ class SequenceTower(nn.Module):
         ts[index] = layout.timestamps_T
         valid = torch.zeros(B * L, dtype=torch.bool, device=values_TD.device)
         valid[index] = True
-        cache = HistoryCache(history_lengths_B=layout.lengths_B, timestamps_BL=ts.view(B, L),
-                             valid_BL=valid.view(B, L), keys=[pad(k) for k, _ in kvs],
-                             values=[pad(v) for _, v in kvs])
-        return states, cache
+        padded = ([pad(k) for k, _ in kvs], [pad(v) for _, v in kvs], ts.view(B, L), valid.view(B, L))
+        if last_only:
+            last_B = layout.offsets_B1[1:] - 1
+            if trim:
+                u, q = uq
+                x_TD = self._last_row_attention(last, x_TD[last_B], None if u is None else u[last_B], q[last_B],
+                                                padded[0][-1], padded[1][-1], padded[2], padded[3],
+                                                layout.lengths_B, layout.query_timestamps_T[last_B])
+            else:
+                x_TD = x_TD[last_B]
+        return self.final_norm(x_TD), padded, layout
+
+    def _last_row_attention(self, layer, x_BD, u_BX, q_BHd, K_BHLd, V_BHLd, ts_BL, valid_BL, lengths_B,
+                            query_ts_B) -> torch.Tensor:
+        """`layer`'s output for each row's last token (position lengths_B - 1, query time
+        query_ts_B) attending to the row's padded keys and values (itself included)."""
+        B, H, L, _ = K_BHLd.shape
+        q = q_BHd.unsqueeze(2)                                       # [B, H, 1, dq]
+        if self.cfg.kind == "hstu":
+            p = layer.params
+            if p.alpha != 1.0:
+                q = q * p.alpha
+            s = torch.matmul(q, K_BHLd.transpose(-1, -2))           # [B, H, 1, L]
+            keys_L = torch.arange(L, device=q.device)
+            rab = relative_bias((lengths_B - 1)[:, None], query_ts_B[:, None], keys_L[None, :], ts_BL,
+                                layer.ts_w, layer.pos_w, p)          # [B, L]
+            if rab is not None:
+                s = s + rab[:, None, None, :].to(s.dtype)
+            # Padded keys need no mask: their value rows are 0.
+            attn = torch.matmul(F.silu(s), V_BHLd)                  # [B, H, 1, dv]
+            if p.normalizer == "max_seq_len":
+                attn = attn / p.max_seq_len
+            elif p.normalizer == "num_keys":
+                attn = attn / lengths_B.to(attn.dtype)[:, None, None, None]
+        else:
+            s = torch.matmul(q, K_BHLd.transpose(-1, -2)) * layer.attention_dim ** -0.5
+            s = s.masked_fill(~valid_BL[:, None, None, :], float("-inf"))
+            attn = torch.matmul(torch.softmax(s.float(), dim=-1).to(V_BHLd.dtype), V_BHLd)
+        return layer.finish(x_BD, u_BX, attn.reshape(B, -1))
 
     @torch.no_grad()
     def score_targets(self, cache: HistoryCache, target_values_CD: torch.Tensor,

@@ -465,10 +465,12 @@ class GenerativeRecommender(nn.Module):
     @torch.no_grad()
     def user_embeddings(self, batch: Batch) -> torch.Tensor:
         """Each user's last history state as retrieval scores it (`retrieval_vectors`): [B, D]."""
-        states, _, _ = self.encode(_without_candidates(batch))
         assert bool((batch.history_lengths_B > 0).all()), "every user needs a history to be scored"
-        last = batch.history_offsets_B1[1:] - 1
-        return retrieval_vectors(states[last], self.cfg.similarity)
+        tokens_TD = self._combine(self._lookup([batch.history])[0], self.features.sparse, "history")
+        with record_function("genrec.tower"):
+            last_BD = self.tower.last_states(tokens_TD, batch.history_offsets_B1, batch.timestamps_T,
+                                             query_time_B=batch.query_time_B)
+        return retrieval_vectors(last_BD, self.cfg.similarity)
 
     @torch.no_grad()
     def item_embeddings(self, item_ids: torch.Tensor, block: int = 65536) -> torch.Tensor:

@@ -379,8 +379,9 @@ class Ranker:
         scores them, `model.similarity`; cache)."""
         tokens_TD, offsets_B1, ts_T = self.history_tokens(hist)
         request_time_B = torch.tensor([h["request_time"] for h in hist], dtype=torch.int64)
-        states_TD, cache = self.model.tower.encode_history(tokens_TD, offsets_B1, ts_T, query_time_B=request_time_B)
-        return retrieval_vectors(states_TD[offsets_B1[1:] - 1], self.model.cfg.similarity), cache
+        last_BD, cache = self.model.tower.encode_history(tokens_TD, offsets_B1, ts_T, query_time_B=request_time_B,
+                                                         last_only=True)
+        return retrieval_vectors(last_BD, self.model.cfg.similarity), cache
 
     def _filters(self, req: RankRequest, hist: dict) -> dict[str, torch.Tensor]:
         masks = {}

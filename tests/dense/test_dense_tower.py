@@ -335,3 +335,52 @@ def test_kv_cache_scoring_equals_full_recompute_with_next_query_time(normalizer,
     own.load_state_dict(tower.state_dict())
     own_states, _ = own.eval().encode_history(torch.cat(hist), offsets(hist_len), torch.cat(hist_ts))
     assert (own_states - states).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind,normalizer,query", [
+    ("hstu", "max_seq_len", "own"), ("hstu", "num_keys", "own"), ("hstu", "max_seq_len", "next"),
+    ("hstu", "num_keys", "next_at_request_time"), ("sasrec", None, "own"), ("transformer", None, "own")])
+@pytest.mark.parametrize("kernel", ["reference", "auto"])
+def test_last_states_are_the_full_forwards_last_rows(kind, normalizer, kernel, query):
+    """`last_states` and `encode_history(last_only=True)` (the last layer attends from each
+    row's last token only) give forward()'s last row of every row, and the same cache; the
+    last block's forward never runs (a fall-back to the whole layer fails this)."""
+    lengths = [5, 1, 37, 2, 64]
+    kw = {"normalizer": normalizer} if normalizer else {}
+    time_bias_query = "own" if query == "own" else "next"
+    tower = perturbed(build_tower(small_cfg(kind=kind, kernel=kernel, time_bias_query=time_bias_query,
+                                            dropout=0.3, **kw))).eval()
+    values, ts = rows(lengths, seed=4)
+    x, t, off = torch.cat(values), torch.cat(ts), offsets(lengths)
+    query_time = torch.stack([r[-1] + 5_000 for r in ts]) if query == "next_at_request_time" else None
+    with torch.no_grad():
+        want = tower(x, off, t, query_time_B=query_time)[off[1:] - 1]
+        want_states, want_cache = tower.encode_history(x, off, t, query_time)
+    assert want.abs().max() > 1.0  # a meaningful scale for the 1e-5 comparison
+    calls = []
+    tower.layers[-1].register_forward_hook(lambda *a: calls.append(1))
+    got = tower.last_states(x, off, t, query_time)
+    got_states, got_cache = tower.encode_history(x, off, t, query_time, last_only=True)
+    assert calls == []
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_states, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(want_states[off[1:] - 1], want, rtol=0, atol=1e-5)
+    for a, b in zip(got_cache.keys + got_cache.values, want_cache.keys + want_cache.values):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.equal(got_cache.valid_BL, want_cache.valid_BL)
+    if query == "next_at_request_time":  # the request time is in effect on the last rows
+        assert (tower.last_states(x, off, t, None) - got).abs().max() > 1e-3
+
+
+def test_last_states_with_the_lowpass_branch_and_bad_rows():
+    """HSTU's lowpass mixes the last token's neighbours' outputs: its last layer runs whole,
+    same answer. A row without a token has no last state: a clear error."""
+    tower = perturbed(build_tower(small_cfg(lowpass_mix=0.4, lowpass_window=3))).eval()
+    lengths = [4, 1, 9]
+    values, ts = rows(lengths, seed=5)
+    x, t, off = torch.cat(values), torch.cat(ts), offsets(lengths)
+    with torch.no_grad():
+        want = tower(x, off, t)[off[1:] - 1]
+    torch.testing.assert_close(tower.last_states(x, off, t), want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="empty row"):
+        tower.last_states(x, offsets([4, 0, 10]), t)
