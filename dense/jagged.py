@@ -98,6 +98,8 @@ class JaggedLayout:
         buckets = self.buckets(min_fill)
         flat = x_TC if self._gather_index is None else \
             _Padded.apply(x_TC, self._gather_index, self._scatter_index_T, self._pad_positions, True)
+        if len(buckets) == 1:  # no split: its backward would copy the gradient (a cat of one part)
+            return [flat.reshape(buckets[0].num_rows, buckets[0].max_len, x_TC.shape[1])]
         sizes = [b.num_rows * b.max_len for b in buckets]
         return [part.reshape(b.num_rows, b.max_len, x_TC.shape[1]) for part, b in zip(flat.split(sizes), buckets)]
 

@@ -362,10 +362,7 @@ class _HSTUChunkedFn(torch.autograd.Function):
 
 
 def hstu_attention_chunked(q_THd, k_THd, v_THd, layout: JaggedLayout, ts_w, pos_w,
-                           p: HSTUAttentionParams, vqk_TC: torch.Tensor | None = None) -> torch.Tensor:
-    """`vqk_TC`: v, q and k side by side as the columns of one [T, H * (dv + 2 dq)] tensor
-    (HSTUBlock's projection holds them so), which the length buckets are then gathered from
-    instead of a concatenation of the three: a copy less forward and backward per layer."""
+                           p: HSTUAttentionParams) -> torch.Tensor:
     if layout.num_tokens == 0:
         return v_THd.new_zeros(v_THd.shape)
     if q_THd.is_cuda and triton_hstu.available() and q_THd.dtype != torch.float64:
@@ -373,22 +370,22 @@ def hstu_attention_chunked(q_THd, k_THd, v_THd, layout: JaggedLayout, ts_w, pos_
         # index_add_ (atomics, not deterministic) and sync with the host per bucket.
         return triton_hstu.hstu_attention_triton(q_THd, k_THd, v_THd, layout, ts_w, pos_w, p)
     parts = []
-    for bucket, (q, k, v) in _bucketed_qkv(q_THd, k_THd, v_THd, layout, p.bucket_min_fill, vqk_TC):
+    for bucket, (q, k, v) in _bucketed_qkv(q_THd, k_THd, v_THd, layout, p.bucket_min_fill):
         parts.append(_HSTUChunkedFn.apply(q.contiguous(), k.contiguous(), v.contiguous(), ts_w, pos_w, bucket, p))
     return _unbucketed(parts, layout)
 
 
-def _bucketed_qkv(q_THd, k_THd, v_THd, layout: JaggedLayout, min_fill: float, vqk_TC: torch.Tensor | None = None):
-    """(bucket, (q, k, v) [G, H, N, d] views) per length bucket: one gather of the three
-    (from `vqk_TC`, their columns side by side, where the caller has it)."""
-    T, H, dq = q_THd.shape
-    dv = v_THd.shape[-1]
-    if vqk_TC is None:
-        vqk_TC = torch.cat([v_THd.reshape(T, -1), q_THd.reshape(T, -1), k_THd.reshape(T, -1)], dim=1)
-    for bucket, x in zip(layout.buckets(min_fill), layout.gather_to_buckets(vqk_TC, min_fill)):
-        G, N, _ = x.shape
-        v, q, k = x.split([H * dv, H * dq, H * dq], dim=-1)
-        yield bucket, tuple(t.reshape(G, N, H, -1).transpose(1, 2) for t in (q, k, v))
+def _bucketed_qkv(q_THd, k_THd, v_THd, layout: JaggedLayout, min_fill: float):
+    """(bucket, (q, k, v) [G, H, N, d] views) per length bucket. Each of the three is gathered
+    on its own: gathered as one concatenated tensor, they would be copied together and their
+    gradients concatenated back. With one head and one bucket of equal rows, the views are
+    the inputs themselves (nothing copied)."""
+    T = q_THd.shape[0]
+    qkv = (q_THd, k_THd, v_THd)
+    gathered = [layout.gather_to_buckets(t.reshape(T, -1), min_fill) for t in qkv]
+    for bucket, *parts in zip(layout.buckets(min_fill), *gathered):
+        yield bucket, tuple(x.reshape(x.shape[0], x.shape[1], t.shape[1], -1).transpose(1, 2)
+                            for x, t in zip(parts, qkv))
 
 
 def _unbucketed(parts: list[torch.Tensor], layout: JaggedLayout) -> torch.Tensor:
