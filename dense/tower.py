@@ -20,6 +20,10 @@ The same candidate states, history encoded once:
     states, cache = tower.encode_history(history_TD, [0, 3, 4], ts_T)
     cand_states_CD = tower.score_targets(cache, [c0 c1 c2], [0, 2, 3], cand_ts_C)
 
+Each row's last state only (what retrieval reads; rows 2 and 3 of the first example):
+
+    tower.last_states(values_TD, [0, 3, 4], timestamps_T)           -> [2, 4]
+
 With TowerConfig.time_bias_query="next", history event i's time bias is taken at the time of
 event i + 1; pass the time of the prediction (e.g. the request time) for each row's last
 history event as query_time_B [B] to forward / encode_history, same value to both.
