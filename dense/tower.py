@@ -97,17 +97,13 @@ class SequenceTower(nn.Module):
             x = x + self.position_embedding(positions)
         return self.input_dropout(x)
 
-    def _run_layers(self, x_TD: torch.Tensor, layout: JaggedLayout, keep_kv: bool = False):
-        kvs = []
+    def _run_layers(self, x_TD: torch.Tensor, layout: JaggedLayout) -> torch.Tensor:
         for layer in self.layers:
-            if keep_kv:
-                x_TD, k, v = layer(x_TD, layout, return_kv=True)
-                kvs.append((k, v))
-            elif self.activation_checkpointing and torch.is_grad_enabled():
+            if self.activation_checkpointing and torch.is_grad_enabled():
                 x_TD = checkpoint(layer, x_TD, layout, use_reentrant=False)
             else:
                 x_TD = layer(x_TD, layout)
-        return self.final_norm(x_TD), kvs
+        return self.final_norm(x_TD)
 
     def _layout(self, offsets_B1, timestamps_T, num_targets_B, query_time_B) -> JaggedLayout:
         return make_layout(offsets_B1, timestamps_T, num_targets_B, self.cfg.max_seq_len,
@@ -124,7 +120,7 @@ class SequenceTower(nn.Module):
         time at evaluation); None: its own time. Ignored under "own"."""
         self._check_values(values_TD, offsets_B1, "values_TD")
         layout = self._layout(offsets_B1, timestamps_T, num_targets_B, query_time_B)
-        return self._run_layers(self._embed_input(values_TD, layout.positions_T), layout)[0]
+        return self._run_layers(self._embed_input(values_TD, layout.positions_T), layout)
 
     @torch.no_grad()
     def encode_history(self, values_TD: torch.Tensor, offsets_B1: torch.Tensor,
@@ -166,7 +162,7 @@ class SequenceTower(nn.Module):
         # A block whose output mixes in neighbours' values (HSTU's lowpass) runs whole.
         trim = last_only and not getattr(last, "lowpass_mix", 0)
         kvs, uq = [], None
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             if trim and layer is last:
                 u, q, k, v = layer.project(x_TD)
                 uq = (u, q)
