@@ -223,7 +223,7 @@ class SequenceTower(nn.Module):
             s = torch.matmul(q, K_BHLd.transpose(-1, -2)) * layer.attention_dim ** -0.5
             s = s.masked_fill(~valid_BL[:, None, None, :], float("-inf"))
             attn = torch.matmul(torch.softmax(s.float(), dim=-1).to(V_BHLd.dtype), V_BHLd)
-        return layer.finish(x_BD, u_BX, attn.reshape(B, -1))
+        return layer.finish(x_BD, u_BX, attn.reshape(B, H * V_BHLd.shape[-1]))
 
     @torch.no_grad()
     def score_targets(self, cache: HistoryCache, target_values_CD: torch.Tensor,

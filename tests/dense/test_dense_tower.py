@@ -384,3 +384,8 @@ def test_last_states_with_the_lowpass_branch_and_bad_rows():
     torch.testing.assert_close(tower.last_states(x, off, t), want, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="empty row"):
         tower.last_states(x, offsets([4, 0, 10]), t)
+    for kind in ("hstu", "sasrec"):  # no rows at all: no states, an empty cache
+        empty = build_tower(small_cfg(kind=kind)).eval()
+        states, cache = empty.encode_history(x[:0], offsets([]), t[:0], last_only=True)
+        assert states.shape == (0, D) and empty.last_states(x[:0], offsets([]), t[:0]).shape == (0, D)
+        assert all(k.shape[0] == 0 for k in cache.keys)
