@@ -853,8 +853,11 @@ static inline void rank_r_rows(const float *s, int64_t ss, const float *x, int64
  * within a chunk in blocks of BWD_ROWS: per row the scores and da = do . v again, a =
  * SiLU(x) and ds = da SiLU'(x) on its visible keys, dq_i += alpha sum_j ds_j k_j; per block
  * dk_j += alpha sum_i ds_ij q_i and dv_j += sum_i a_ij do_i over its rows at once (a key's row
- * of dk / dv is read and written once per block), into per-thread partial sums added up in
- * thread order at the end; and the bias gradients. A chunk's keys, values, dk and dv (five
+ * of dk / dv is read and written once per block); and the bias gradients. With at least 4
+ * rows per thread, each thread takes whole rows and adds their dk / dv straight into the
+ * outputs (a row's sums in one order whatever the thread count); with fewer, a long row's
+ * super blocks are split among the threads into per-thread partial sums, added up in
+ * thread order at the end. A chunk's keys, values, dk and dv (five
  * rows of KEY_CHUNK) stay in cache while the super block's rows use them: at long lengths
  * streaming them per block of rows bounded the kernel.
  *   q [G, H, N, dq]; kb, vb: keys / values in blocks of KB as in hstu_attn_fwd; k [G, H, N, dq];
@@ -862,7 +865,7 @@ static inline void rank_r_rows(const float *s, int64_t ss, const float *x, int64
  *   [G, H, N, dv] (written); d_ts / d_pos: float64, added to.
  * Super blocks are dealt to threads in a fixed pattern and every partial sum is added in a
  * fixed order (dq_i: chunk by chunk, each in key order), so a run repeats its bits for a
- * given thread count. */
+ * given thread count (and dq, dk, dv for any thread count when rows are whole). */
 #define SUPER_ROWS (8 * BWD_ROWS)
 int hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, const float *kb,
                    const float *vb, const float *k, const float *dout, float *dq_out, float *dk_out,
@@ -873,10 +876,14 @@ int hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, co
   const int nthreads = t->nthreads;
   const size_t nts = (size_t)t->NB + 1, npos = (size_t)t->P;
   const size_t nk = (size_t)(G * H * K * dq), nv = (size_t)(G * H * K * dv);
+  /* With enough rows, each thread takes whole rows (their super blocks in order) and adds
+   * their dk / dv straight into the outputs; otherwise super blocks are dealt one at a time
+   * (a long row split among the threads) into per-thread partial sums added up at the end. */
+  const int owned = G >= 4 * (int64_t)nthreads;
   double *all_ts = t->ts ? calloc(nts * (size_t)nthreads, sizeof(double)) : NULL;
   double *all_pos = t->pos_w ? calloc(npos * (size_t)nthreads, sizeof(double)) : NULL;
-  float *all_dk = calloc(nk * (size_t)nthreads, sizeof(float));
-  float *all_dv = calloc(nv * (size_t)nthreads, sizeof(float));
+  float *all_dk = owned ? dk_out : calloc(nk * (size_t)nthreads, sizeof(float));
+  float *all_dv = owned ? dv_out : calloc(nv * (size_t)nthreads, sizeof(float));
   int64_t *sorted_n = calloc((size_t)G, sizeof(int64_t)), *lin_n = calloc((size_t)G, sizeof(int64_t));
   row_extents(t, K, sorted_n, lin_n);
   float *zeros = calloc((size_t)(CW * ROWS), sizeof(float));
@@ -902,11 +909,18 @@ int hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, co
     const int tid = omp_get_thread_num();
     double *lts = all_ts ? all_ts + nts * (size_t)tid : NULL;
     double *lpos = all_pos ? all_pos + npos * (size_t)tid : NULL;
-    float *ldk = all_dk + nk * (size_t)tid, *ldv = all_dv + nv * (size_t)tid;
-#pragma omp for collapse(2) schedule(static, 1)
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t sb = 0; sb < NSB; ++sb) {
+    float *ldk = owned ? dk_out : all_dk + nk * (size_t)tid, *ldv = owned ? dv_out : all_dv + nv * (size_t)tid;
+    /* work item w = (row g, super block sb): NSB consecutive items (a whole row) per thread
+     * at a time when owned, else one */
+#pragma omp for schedule(static, owned ? NSB : 1)
+    for (int64_t w = 0; w < G * NSB; ++w) {
+        const int64_t g = w / NSB, sb = w % NSB;
         if (!ok) continue;
+        if (owned && sb == 0)  /* this thread's row: its dk / dv rows start at zero */
+          for (int64_t hh = 0; hh < H; ++hh) {
+            memset(dk_out + (g * H + hh) * K * dq, 0, sizeof(float) * (size_t)(K * dq));
+            memset(dv_out + (g * H + hh) * K * dv, 0, sizeof(float) * (size_t)(K * dv));
+          }
         const int64_t h = t->hist[g], s0 = sb * SUPER_ROWS;
         const int64_t len = t->len ? t->len[g] : K;
         int64_t s1 = s0 + SUPER_ROWS < K ? s0 + SUPER_ROWS : K;
@@ -1013,24 +1027,26 @@ int hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, co
     for (int r = 0; r < BWD_ROWS; ++r) plan_free(&rp[r]);
   }
   if (oom) goto done;
-  /* the per-thread partial sums, in thread order */
+  if (!owned) {  /* the per-thread partial sums, in thread order */
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t e = 0; e < (int64_t)nk; ++e) {
-    float acc = 0.f;
-    for (int th = 0; th < nthreads; ++th) acc += all_dk[nk * (size_t)th + (size_t)e];
-    dk_out[e] = acc;
-  }
+    for (int64_t e = 0; e < (int64_t)nk; ++e) {
+      float acc = 0.f;
+      for (int th = 0; th < nthreads; ++th) acc += all_dk[nk * (size_t)th + (size_t)e];
+      dk_out[e] = acc;
+    }
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t e = 0; e < (int64_t)nv; ++e) {
-    float acc = 0.f;
-    for (int th = 0; th < nthreads; ++th) acc += all_dv[nv * (size_t)th + (size_t)e];
-    dv_out[e] = acc;
+    for (int64_t e = 0; e < (int64_t)nv; ++e) {
+      float acc = 0.f;
+      for (int th = 0; th < nthreads; ++th) acc += all_dv[nv * (size_t)th + (size_t)e];
+      dv_out[e] = acc;
+    }
   }
   for (int th = 0; th < nthreads; ++th) {
     if (all_ts) for (size_t b = 0; b < nts; ++b) d_ts[b] += all_ts[nts * (size_t)th + b];
     if (all_pos) for (size_t b = 0; b < npos; ++b) d_pos[b] += all_pos[npos * (size_t)th + b];
   }
 done:
-  free(all_ts); free(all_pos); free(all_dk); free(all_dv); free(sorted_n); free(lin_n); free(zeros);
+  if (!owned) free(all_dk), free(all_dv);
+  free(all_ts); free(all_pos); free(sorted_n); free(lin_n); free(zeros);
   return oom ? NO_MEMORY : 0;
 }

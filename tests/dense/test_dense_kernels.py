@@ -510,7 +510,9 @@ import torch
 from genrec.dense import fused
 
 torch.set_num_threads(8)  # the backward's scratch: dk and dv sums per thread, 8x each
-G, H, N, d = 1024, 2, 64, 32  # 4M floats (16 MB) per [G, H, N, d] tensor
+# Fewer than 4 rows per thread: the rows' super blocks are split among the threads, into
+# per-thread sums (with more rows each thread writes its own rows' dk and dv in place).
+G, H, N, d = 16, 2, 4096, 32  # 4M floats (16 MB) per [G, H, N, d] tensor
 q, k, v, dout = (torch.randn(G, H, N, d) for _ in range(4))
 hist = torch.full((G,), N, dtype=torch.int64)
 pos = torch.arange(N).repeat(G, 1).contiguous()
@@ -535,6 +537,42 @@ except MemoryError as e:
     sys.exit(0)
 sys.exit("no MemoryError")
 """
+
+
+@pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
+def test_the_backward_gives_whole_rows_the_same_bits_on_any_thread_count():
+    """With at least 4 rows per thread, each thread adds its own rows' dk and dv in place:
+    dq, dk and dv are then the same bits on 1 and 2 threads (9 rows), and equal the float64
+    products of the same scores; with fewer rows per thread (9 rows, 3 threads) a row's
+    super blocks are split among the threads and summed per thread, the same values to
+    rounding. The bias gradients are those of the threads' partial sums either way."""
+    g = torch.Generator().manual_seed(11)
+    G, H, N, dqk, dv = 9, 2, 150, 20, 12
+    q, k = (torch.randn(G, H, N, dqk, generator=g) for _ in range(2))
+    v, dout = (torch.randn(G, H, N, dv, generator=g) for _ in range(2))
+    hist = torch.full((G,), N, dtype=torch.int64)
+    pos = torch.arange(N).repeat(G, 1).contiguous()
+    before = torch.get_num_threads()
+    try:
+        runs = {}
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)  # the kernel's arguments take the count when made
+            args = fused.tile_args(G=G, H=H, bq=N, K=N, N=N, i0=0, P=N, NB=1, ts=None, thr=None, ts_w=None,
+                                   pos_w=None, pos=pos, hist=hist, alpha=1.0, divisor=1.0)
+            assert args.nthreads == threads
+            runs[threads] = fused.attention_backward(args, q, k, v, dout, None, None)
+    finally:
+        torch.set_num_threads(before)
+    for a, b, c in zip(runs[1], runs[2], runs[3]):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-4)
+    # The float64 backward of a = SiLU(q k^T) on j <= i, out = a v (no bias, no 1/n here).
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    s = q64 @ k64.transpose(-1, -2)
+    a = torch.nn.functional.silu(s).masked_fill(~torch.ones(N, N, dtype=torch.bool).tril(), 0.0)
+    (a @ v64).backward(dout.double())
+    for got, want in zip(runs[2], (q64.grad, k64.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
