@@ -129,21 +129,21 @@ static int64_t scan_range(const float *qb, int64_t D, const void *rows, int rows
   float thr = 0.f;
   for (int64_t b0 = n0; b0 < n1; b0 += SCAN_BLOCK) {
     const int64_t b1 = b0 + SCAN_BLOCK < n1 ? b0 + SCAN_BLOCK : n1;
-    int64_t n = b0;
+    int64_t r = b0;  /* the next row to score */
     const int64_t row_bytes = rows_int8 ? D : D * (int64_t)sizeof(float);
     const char *base = (const char *)rows;
 #if defined(__AVX512F__)
     if (D % 16 == 0)
-      for (; n + 16 <= b1; n += 16) {
-        for (int64_t p = 0; p < 16 * row_bytes; p += 64) __builtin_prefetch(base + n * row_bytes + SCAN_AHEAD_BYTES + p);
-        dot_rows16(qb, base + n * row_bytes, D, rows_int8, buf + (n - b0));
+      for (; r + 16 <= b1; r += 16) {
+        for (int64_t p = 0; p < 16 * row_bytes; p += 64) __builtin_prefetch(base + r * row_bytes + SCAN_AHEAD_BYTES + p);
+        dot_rows16(qb, base + r * row_bytes, D, rows_int8, buf + (r - b0));
         if (rows_int8)
-          _mm512_storeu_ps(buf + (n - b0), _mm512_mul_ps(_mm512_loadu_ps(buf + (n - b0)), _mm512_loadu_ps(scale + n)));
+          _mm512_storeu_ps(buf + (r - b0), _mm512_mul_ps(_mm512_loadu_ps(buf + (r - b0)), _mm512_loadu_ps(scale + r)));
       }
 #endif
-    for (; n < b1; ++n) {
-      __builtin_prefetch(base + n * row_bytes + SCAN_AHEAD_BYTES);  /* past the end is harmless: a hint */
-      buf[n - b0] = rows_int8 ? dot_row(qb, base + n * row_bytes, D, 1) * scale[n] : dot_row(qb, base + n * row_bytes, D, 0);
+    for (; r < b1; ++r) {
+      __builtin_prefetch(base + r * row_bytes + SCAN_AHEAD_BYTES);  /* past the end is harmless: a hint */
+      buf[r - b0] = rows_int8 ? dot_row(qb, base + r * row_bytes, D, 1) * scale[r] : dot_row(qb, base + r * row_bytes, D, 0);
     }
     for (int64_t n = b0; n < b1; ++n) {
       const float s = buf[n - b0];

@@ -545,7 +545,7 @@ def test_the_backward_gives_whole_rows_the_same_bits_on_any_thread_count():
     dq, dk and dv are then the same bits on 1 and 2 threads (9 rows), and equal the float64
     products of the same scores; with fewer rows per thread (9 rows, 3 threads) a row's
     super blocks are split among the threads and summed per thread, the same values to
-    rounding. The bias gradients are those of the threads' partial sums either way."""
+    rounding."""
     g = torch.Generator().manual_seed(11)
     G, H, N, dqk, dv = 9, 2, 150, 20, 12
     q, k = (torch.randn(G, H, N, dqk, generator=g) for _ in range(2))
