@@ -12,6 +12,8 @@ Tokens are jagged: x_TD holds every row's tokens back to back (see jagged.py).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,7 +31,7 @@ class HSTUBlock(nn.Module):
         self.silu_u_only = cfg.uvqk_activation == "silu_u"
         self.input_norm = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
         self.uvqk = nn.Linear(D, H * (2 * dv + 2 * dq))  # rows: u, v, q, k
-        edges = torch.tensor([0, H * dv, H * dv, H * dq, H * dq]).cumsum(0).tolist()
+        edges = list(itertools.accumulate([0, H * dv, H * dv, H * dq, H * dq]))
         self._spans = list(zip(edges[:-1], edges[1:]))
         self.attn_norm = nn.LayerNorm(H * dv, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)

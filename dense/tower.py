@@ -43,7 +43,7 @@ from . import fused as _fused
 from .hstu import HSTUBlock
 from .jagged import JaggedLayout, make_layout
 from .bias import time_buckets
-from .kernels import hstu_target_attention_fused, relative_bias
+from .kernels import _inv_n, hstu_target_attention_fused, relative_bias
 from .transformer import SASRecBlock, TransformerBlock
 
 
@@ -215,10 +215,8 @@ class SequenceTower(nn.Module):
                 s = s + rab[:, None, None, :].to(s.dtype)
             # Padded keys need no mask: their value rows are 0.
             attn = torch.matmul(F.silu(s), V_BHLd)                  # [B, H, 1, dv]
-            if p.normalizer == "max_seq_len":
-                attn = attn / p.max_seq_len
-            elif p.normalizer == "num_keys":
-                attn = attn / lengths_B.to(attn.dtype)[:, None, None, None]
+            inv_n = _inv_n(lengths_B - 1, lengths_B, p)             # the kernels' 1 / n of row len - 1
+            attn = attn * (inv_n if isinstance(inv_n, float) else inv_n.to(attn.dtype)[:, None, None, None])
         else:
             s = torch.matmul(q, K_BHLd.transpose(-1, -2)) * layer.attention_dim ** -0.5
             s = s.masked_fill(~valid_BL[:, None, None, :], float("-inf"))

@@ -882,12 +882,12 @@ int hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, co
   const int owned = G >= 4 * (int64_t)nthreads;
   double *all_ts = t->ts ? calloc(nts * (size_t)nthreads, sizeof(double)) : NULL;
   double *all_pos = t->pos_w ? calloc(npos * (size_t)nthreads, sizeof(double)) : NULL;
-  float *all_dk = owned ? dk_out : calloc(nk * (size_t)nthreads, sizeof(float));
-  float *all_dv = owned ? dv_out : calloc(nv * (size_t)nthreads, sizeof(float));
+  float *all_dk = owned ? NULL : calloc(nk * (size_t)nthreads, sizeof(float));
+  float *all_dv = owned ? NULL : calloc(nv * (size_t)nthreads, sizeof(float));
   int64_t *sorted_n = calloc((size_t)G, sizeof(int64_t)), *lin_n = calloc((size_t)G, sizeof(int64_t));
   row_extents(t, K, sorted_n, lin_n);
   float *zeros = calloc((size_t)(CW * ROWS), sizeof(float));
-  int oom = (t->ts && !all_ts) || (t->pos_w && !all_pos) || !all_dk || !all_dv || !sorted_n || !lin_n || !zeros;
+  int oom = (t->ts && !all_ts) || (t->pos_w && !all_pos) || (!owned && (!all_dk || !all_dv)) || !sorted_n || !lin_n || !zeros;
   if (oom) goto done;
 #pragma omp parallel num_threads(nthreads)
   {
@@ -1046,7 +1046,6 @@ int hstu_attn_bwd(const tile_args *t, int64_t dq, int64_t dv, const float *q, co
     if (all_pos) for (size_t b = 0; b < npos; ++b) d_pos[b] += all_pos[npos * (size_t)th + b];
   }
 done:
-  if (!owned) free(all_dk), free(all_dv);
-  free(all_ts); free(all_pos); free(sorted_n); free(lin_n); free(zeros);
+  free(all_ts); free(all_pos); free(all_dk); free(all_dv); free(sorted_n); free(lin_n); free(zeros);
   return oom ? NO_MEMORY : 0;
 }
