@@ -88,6 +88,39 @@ static inline __attribute__((always_inline)) void dot_rows16(const float *q, con
   const __m512i lane = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   _mm512_storeu_ps(out, _mm512_add_ps(_mm512_permutexvar_ps(lane, s), _mm512_setzero_ps()));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* dot_rows16 for AVX2: out[r] = q . row r for 8 rows of D values (D a multiple of 8), each
+ * row's 8 partial sums added in dot_row's order (lanes i + i+4, then + 2, then + 1) for all 8
+ * rows at once, so a row scores bit for bit as dot_row scores it. Besides the horizontal
+ * sums, it takes dot_row's single chain of dependent FMAs off the critical path: eight rows'
+ * chains run side by side. */
+static inline __attribute__((always_inline)) void dot_rows8(const float *q, const void *rows, int64_t D,
+                                                            const int i8, float *out) {
+  const int8_t *r8 = (const int8_t *)rows;
+  const float *rf = (const float *)rows;
+  __m256 a[8], z[4], v[2];
+  for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8) {
+    const __m256 qc = _mm256_loadu_ps(q + c);
+    for (int r = 0; r < 8; ++r) {
+      const __m256 x = i8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r8 + r * D + c))))
+                          : _mm256_loadu_ps(rf + r * D + c);
+      a[r] = _mm256_fmadd_ps(qc, x, a[r]);
+    }
+  }
+  for (int p = 0; p < 4; ++p)  /* lanes i + i+4: row 2p in the low half, row 2p + 1 in the high */
+    z[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+  for (int h = 0; h < 2; ++h)  /* + 2: half j holds rows 4h + j and 4h + 2 + j, two sums each */
+    v[h] = _mm256_add_ps(_mm256_shuffle_ps(z[2 * h], z[2 * h + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(z[2 * h], z[2 * h + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  /* + 1: lane 4j + l holds row 2l + j; the permutation puts row r in lane r. The + 0 is
+   * dot_row's (its tail). */
+  const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m256i lane = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permutevar8x32_ps(s, lane), _mm256_setzero_ps()));
+}
 #endif
 
 typedef struct { float s; int64_t i; } scored;
@@ -139,6 +172,14 @@ static int64_t scan_range(const float *qb, int64_t D, const void *rows, int rows
         dot_rows16(qb, base + r * row_bytes, D, rows_int8, buf + (r - b0));
         if (rows_int8)
           _mm512_storeu_ps(buf + (r - b0), _mm512_mul_ps(_mm512_loadu_ps(buf + (r - b0)), _mm512_loadu_ps(scale + r)));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0)
+      for (; r + 8 <= b1; r += 8) {
+        for (int64_t p = 0; p < 8 * row_bytes; p += 64) __builtin_prefetch(base + r * row_bytes + SCAN_AHEAD_BYTES + p);
+        dot_rows8(qb, base + r * row_bytes, D, rows_int8, buf + (r - b0));
+        if (rows_int8)
+          _mm256_storeu_ps(buf + (r - b0), _mm256_mul_ps(_mm256_loadu_ps(buf + (r - b0)), _mm256_loadu_ps(scale + r)));
       }
 #endif
     for (; r < b1; ++r) {

@@ -375,10 +375,11 @@ def test_the_avx512_and_avx2_builds_agree(fresh_loader):
 
 @pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float32])
-def test_scan_scores_a_row_alike_alone_and_among_other_rows(dtype):
-    """The scan scores 16 rows at a time where the width allows (AVX-512) and single rows
-    elsewhere (a range's last rows, a lone row): a row's score is the same bit for bit either
-    way, so a ranking never depends on where a row sits in the index or on the thread split."""
+def test_scan_scores_a_row_alike_alone_and_among_other_rows(dtype, fresh_loader):
+    """The scan scores 16 rows at a time (AVX-512) or 8 (AVX2) where the width allows and
+    single rows elsewhere (a range's last rows, a lone row): a row's score is the same bit for
+    bit either way, so a ranking never depends on where a row sits in the index or on the
+    thread split. Each build this CPU runs is checked."""
     g = torch.Generator().manual_seed(3)
     N, dim = 1_000 + 7, 64
     rows = torch.randint(-127, 128, (N, dim), generator=g, dtype=torch.int8)
@@ -386,11 +387,16 @@ def test_scan_scores_a_row_alike_alone_and_among_other_rows(dtype):
     if dtype == torch.float32:
         rows, scale = rows.float() * scale[:, None] * torch.randn(N, 1, generator=g), None
     q = torch.randn(1, dim, generator=g)
-    s, i = fused.scan_top_k(q, rows, scale, N, None)
-    together = torch.empty(N).index_put_((i[0],), s[0])
-    for n in range(0, N, 37):
-        alone, _ = fused.scan_top_k(q, rows[n : n + 1], None if scale is None else scale[n : n + 1], 1, None)
-        assert torch.equal(alone[0, 0], together[n]), n
+    for isa in (["avx2", "avx512"] if AVX512 else ["avx2"]) if X86 else [None]:
+        if isa is not None:
+            fresh_loader.setattr(fused, "_lib", False)
+            fresh_loader.setenv("GENREC_DENSE_ISA", isa)
+            assert fused.library().isa == isa
+        s, i = fused.scan_top_k(q, rows, scale, N, None)
+        together = torch.empty(N).index_put_((i[0],), s[0])
+        for n in range(0, N, 37):
+            alone, _ = fused.scan_top_k(q, rows[n : n + 1], None if scale is None else scale[n : n + 1], 1, None)
+            assert torch.equal(alone[0, 0], together[n]), (isa, n)
 
 
 @pytest.mark.skipif(fused.library() is None, reason="GENREC_DENSE_FUSED=0 chose the PyTorch tile")
