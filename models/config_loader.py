@@ -4,9 +4,11 @@ Strict by design: an unknown key, a missing section class, or a value of the
 wrong type is a `ValueError` naming the full dotted key (and the file), never a
 silent default. Supported field types: int, float, str, bool, `X | None`,
 `Literal[...]`, `list[<scalar>]`, nested config dataclasses and
-`list[<config dataclass>]` (TOML arrays of tables).
+`list[<config dataclass>]` (TOML arrays of tables, whose tables an override names
+by their `name` or index).
 
     >>> cfg = load_config(JobConfig, "configs/demo.toml", ["train.max_steps=10"])
+    >>> cfg = load_config(JobConfig, "configs/ml100k.toml", ["sparse.tables.item.embedding_dim=64"])
 """
 
 from __future__ import annotations
@@ -116,16 +118,33 @@ def _parse_override_value(text: str) -> Any:
         return text
 
 
+def _table_of(tables: list, part: str, dotted: str) -> dict[str, Any]:
+    """The element of an array of tables (`[[sparse.tables]]`) that `part` names: by its
+    `name` key, else by its index."""
+    for table in tables:
+        if isinstance(table, dict) and table.get("name") == part:
+            return table
+    if part.isdigit() and int(part) < len(tables) and isinstance(tables[int(part)], dict):
+        return tables[int(part)]
+    names = [t["name"] for t in tables if isinstance(t, dict) and "name" in t]
+    raise ValueError(f"--set {dotted}: no table {part!r} here (by name: {', '.join(map(repr, names)) or 'none'}; "
+                     f"by index: 0 to {len(tables) - 1})")
+
+
 def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """`section.key=value`; an array of tables takes the table's name or index as one more
+    part: `sparse.tables.item.embedding_dim=96` or `sparse.tables.0.embedding_dim=96`."""
     if "=" not in assignment:
         raise ValueError(f"--set expects section.key=value, got {assignment!r}")
     dotted, text = assignment.split("=", 1)
     parts = dotted.strip().split(".")
-    node = data
+    node: Any = data
     for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
+        node = _table_of(node, part, dotted) if isinstance(node, list) else node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
             raise ValueError(f"--set {dotted}: {part!r} is not a section")
+    if isinstance(node, list):
+        raise ValueError(f"--set {dotted}: name one table of {parts[-2]!r} and its key, e.g. {dotted}.<table>.<key>=...")
     node[parts[-1]] = _parse_override_value(text.strip())
 
 

@@ -1,3 +1,4 @@
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -55,6 +56,23 @@ def test_toml_and_overrides(tmp_path):
 def test_errors_name_the_key(override, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(".", r"\.")):
         load_config(Root, None, [override])
+
+
+def test_an_override_names_a_table_of_an_array_by_name_or_index(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[[tables]]\nname = "item"\n[[tables]]\nname = "user"\ndim = 4\n')
+    cfg = load_config(Root, path, ["tables.user.dim=32", "tables.0.dim=16"])
+    assert cfg.tables == [Table(name="item", dim=16), Table(name="user", dim=32)]
+    # A name that is also a number names the table of that name, not the index.
+    path.write_text('[[tables]]\nname = "a"\n[[tables]]\nname = "0"\n')
+    assert load_config(Root, path, ["tables.0.dim=5"]).tables == [Table(name="a"), Table(name="0", dim=5)]
+    for override, message in (("tables.ad.dim=1", "no table 'ad' here (by name: 'a', '0'; by index: 0 to 1)"),
+                              ("tables.2.dim=1", "no table '2' here"),
+                              ("tables.a.dimm=1", "unknown config key 'tables[0].dimm'"),
+                              ("tables.a.dim=1.5", "tables[0].dim: expected an integer"),
+                              ("tables.dim=1", "name one table of 'tables' and its key")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_config(Root, path, [override])
 
 
 def test_file_errors_name_the_file(tmp_path):
