@@ -144,7 +144,8 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         if not isinstance(node, (dict, list)):
             raise ValueError(f"--set {dotted}: {part!r} is not a section")
     if isinstance(node, list):
-        raise ValueError(f"--set {dotted}: name one table of {parts[-2]!r} and its key, e.g. {dotted}.<table>.<key>=...")
+        hint = ".".join([*parts[:-1], "<table>", parts[-1]])
+        raise ValueError(f"--set {dotted}: {parts[-2]!r} holds several tables: name one, as in {hint}=...")
     node[parts[-1]] = _parse_override_value(text.strip())
 
 

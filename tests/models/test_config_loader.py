@@ -70,7 +70,7 @@ def test_an_override_names_a_table_of_an_array_by_name_or_index(tmp_path):
                               ("tables.2.dim=1", "no table '2' here"),
                               ("tables.a.dimm=1", "unknown config key 'tables[0].dimm'"),
                               ("tables.a.dim=1.5", "tables[0].dim: expected an integer"),
-                              ("tables.dim=1", "name one table of 'tables' and its key")):
+                              ("tables.dim=1", "'tables' holds several tables: name one, as in tables.<table>.dim=")):
         with pytest.raises(ValueError, match=re.escape(message)):
             load_config(Root, path, [override])
 
