@@ -127,8 +127,9 @@ def _table_of(tables: list, part: str, dotted: str) -> dict[str, Any]:
     if part.isdigit() and int(part) < len(tables) and isinstance(tables[int(part)], dict):
         return tables[int(part)]
     names = [t["name"] for t in tables if isinstance(t, dict) and "name" in t]
+    indices = f"0 to {len(tables) - 1}" if tables else "none"
     raise ValueError(f"--set {dotted}: no table {part!r} here (by name: {', '.join(map(repr, names)) or 'none'}; "
-                     f"by index: 0 to {len(tables) - 1})")
+                     f"by index: {indices})")
 
 
 def apply_override(data: dict[str, Any], assignment: str) -> None:

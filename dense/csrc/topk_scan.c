@@ -123,6 +123,18 @@ static inline __attribute__((always_inline)) void dot_rows8(const float *q, cons
 }
 #endif
 
+/* SCAN_W rows at a time (the vector width in floats, which D must be a multiple of): their
+ * dot products, then buf[r] *= scale[r] for the SCAN_W rows. */
+#if defined(__AVX512F__)
+#define SCAN_W 16
+#define DOT_ROWS dot_rows16
+#define SCALE_ROWS(b, sc) _mm512_storeu_ps((b), _mm512_mul_ps(_mm512_loadu_ps(b), _mm512_loadu_ps(sc)))
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SCAN_W 8
+#define DOT_ROWS dot_rows8
+#define SCALE_ROWS(b, sc) _mm256_storeu_ps((b), _mm256_mul_ps(_mm256_loadu_ps(b), _mm256_loadu_ps(sc)))
+#endif
+
 typedef struct { float s; int64_t i; } scored;
 
 static inline int ahead(scored a, scored b) { return a.s > b.s || (a.s == b.s && a.i < b.i); }
@@ -165,21 +177,12 @@ static int64_t scan_range(const float *qb, int64_t D, const void *rows, int rows
     int64_t r = b0;  /* the next row to score */
     const int64_t row_bytes = rows_int8 ? D : D * (int64_t)sizeof(float);
     const char *base = (const char *)rows;
-#if defined(__AVX512F__)
-    if (D % 16 == 0)
-      for (; r + 16 <= b1; r += 16) {
-        for (int64_t p = 0; p < 16 * row_bytes; p += 64) __builtin_prefetch(base + r * row_bytes + SCAN_AHEAD_BYTES + p);
-        dot_rows16(qb, base + r * row_bytes, D, rows_int8, buf + (r - b0));
-        if (rows_int8)
-          _mm512_storeu_ps(buf + (r - b0), _mm512_mul_ps(_mm512_loadu_ps(buf + (r - b0)), _mm512_loadu_ps(scale + r)));
-      }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (D % 8 == 0)
-      for (; r + 8 <= b1; r += 8) {
-        for (int64_t p = 0; p < 8 * row_bytes; p += 64) __builtin_prefetch(base + r * row_bytes + SCAN_AHEAD_BYTES + p);
-        dot_rows8(qb, base + r * row_bytes, D, rows_int8, buf + (r - b0));
-        if (rows_int8)
-          _mm256_storeu_ps(buf + (r - b0), _mm256_mul_ps(_mm256_loadu_ps(buf + (r - b0)), _mm256_loadu_ps(scale + r)));
+#if defined(SCAN_W)
+    if (D % SCAN_W == 0)
+      for (; r + SCAN_W <= b1; r += SCAN_W) {
+        for (int64_t p = 0; p < SCAN_W * row_bytes; p += 64) __builtin_prefetch(base + r * row_bytes + SCAN_AHEAD_BYTES + p);
+        DOT_ROWS(qb, base + r * row_bytes, D, rows_int8, buf + (r - b0));
+        if (rows_int8) SCALE_ROWS(buf + (r - b0), scale + r);
       }
 #endif
     for (; r < b1; ++r) {
