@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from genrec.data.files import claim_output_dir
+from genrec.data.files import claim_output_dir, holds_output
 from genrec.models.config import JobConfig, OptimConfig
 from genrec.models.config_loader import from_dict, to_dict
 from genrec.models.runs import BEST_FILE, CHECKPOINTS, CONFIG_FILE, RUN_FORMAT, RUN_MANIFEST
@@ -144,6 +144,18 @@ def apply_optim_settings(optimizer: torch.optim.Optimizer, scheduler, cfg: Optim
     for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group["lr"] = cfg.lr * lr_lambda(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse to train into a folder that holds anything but a genrec training run: it must be
+    absent, empty or a run (its `run.json`). A run writes its config.json, best.json and
+    checkpoints/ there, over a folder's own files of those names, and marks the folder as a
+    run, which `--fresh` may then clear."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"train.out_dir {run_dir} exists and is not a directory")
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not holds_output(run_dir, RUN_MANIFEST, RUN_FORMAT):
+        raise ValueError(f"train.out_dir {run_dir} is not empty and is not a genrec training run (no {RUN_MANIFEST} "
+                         "with its format in it): choose another train.out_dir, or move its files away yourself")
 
 
 def start_fresh(run_dir: Path) -> None:

@@ -45,7 +45,8 @@ from genrec.models.train.checkpoint import (
     CheckpointManager, capture_rng_state, fault_point, install_stop_signals, restore_rng_state,
 )
 from genrec.models.train.resume import (
-    apply_optim_settings, check_resume_changes, describe_changes, read_saved_config, saved_form, start_fresh,
+    apply_optim_settings, check_resume_changes, check_run_dir, describe_changes, read_saved_config, saved_form,
+    start_fresh,
 )
 from genrec.models.config import JobConfig
 from genrec.models.ranks import DistInfo, all_reduce_sum, any_rank
@@ -187,7 +188,9 @@ class Trainer:
         try:
             if fresh and main:
                 start_fresh(self.out_dir)
-            elif not fresh and complete_steps(self.out_dir / CHECKPOINTS):
+            elif main:
+                check_run_dir(self.out_dir)
+            if not fresh and complete_steps(self.out_dir / CHECKPOINTS):
                 saved = read_saved_config(self.out_dir)
                 changes = check_resume_changes(self.out_dir, saved, saved_form(self.cfg)) if saved else []
                 if changes and main:

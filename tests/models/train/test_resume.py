@@ -137,9 +137,15 @@ def test_fresh_starts_over_only_in_a_genrec_run_and_keeps_other_files(prepared, 
     other.mkdir()
     (other / "config.json").write_text("{}")
     (other / "checkpoints").mkdir()
+    (other / "checkpoints" / "mine.bin").write_bytes(b"mine")
     config.write_text(_toml(to_dict(tiny_config(prepared, other, max_steps=3))))
+    # Neither a plain run (which would write its config.json over the folder's and mark the
+    # folder as a run, for a later --fresh to clear) nor --fresh touches a foreign folder.
+    assert main(train) == 1
+    assert "not a genrec training run" in capsys.readouterr().err
     assert main(train + ["--fresh"]) == 1
     assert "not a genrec output" in capsys.readouterr().err
     assert sorted(p.name for p in other.iterdir()) == ["checkpoints", "config.json"]
+    assert (other / "config.json").read_text() == "{}" and (other / "checkpoints" / "mine.bin").exists()
     with pytest.raises(SystemExit):
         main(train + ["--fresh", "--resume"])
