@@ -165,7 +165,7 @@ def parse_rank_request(data: bytes, body_model: type[BaseModel], ranker: Ranker)
         raise BodyError(e) from None
     k = body.k or min(100, ranker.max_k)
     req = RankRequest(item_ids=body.item_ids, actions=body.actions, timestamps=body.timestamps,
-                      features=body.features, context=body.context, k=k, n=body.n or min(10, k),
+                      features=body.features, context=body.context, k=k, n=body.n or min(10, k, ranker.cfg.max_n),
                       exclude_seen=body.exclude_seen, allowed_advertisers=body.allowed_advertisers,
                       request_time=body.request_time, sort_by=body.sort_by)
     ranker.check(req)

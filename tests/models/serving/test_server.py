@@ -400,6 +400,15 @@ def test_k_and_n_default_to_the_server_limits(server):
 # ---------------------------------------------------------------------- in-process servers
 
 
+def test_the_default_n_keeps_within_a_lower_max_n(artifacts):
+    body = {key: v for key, v in BASE.items() if key not in ("k", "n")}
+    app = create_app(artifacts["v1"], serving_cfg=ServingConfig(max_n=5))
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+        r = c.post("/v1/rank", json=body)
+    assert r.status_code == 200, r.text  # not a 422 about an n the client never sent
+    assert len(r.json()["items"]) == 5
+
+
 def test_reload_is_off_without_a_token(artifacts):
     with serve_in_thread(create_app(artifacts["v1"])) as url, httpx.Client(base_url=url, timeout=30) as c:
         r = c.post("/admin/reload", json={"artifact": str(artifacts["v2"])}, headers=AUTH)
