@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import time
 import zlib
@@ -193,6 +194,20 @@ def _link_file(src: str, dst: str) -> None:
         os.replace(dst + ".tmp", dst)
 
 
+_VERSION_DIR = re.compile(r"v[0-9a-f]+")
+_SHARD_FILE = re.compile(r".+\.rank\d+\.[a-z_]+\.bin(\.tmp)?")
+
+
+def _is_version_dir(path: str) -> bool:
+    """Whether `path` is a version folder a save wrote (its name, and only shard files in
+    it): an older one is removed once the manifest no longer names it; anything else that
+    shares the snapshot's folder stays."""
+    if not (_VERSION_DIR.fullmatch(os.path.basename(path)) and os.path.isdir(path)):
+        return False
+    with os.scandir(path) as entries:
+        return all(e.is_file(follow_symlinks=False) and _SHARD_FILE.fullmatch(e.name) for e in entries)
+
+
 def save_snapshot(module, path: str, *, max_deltas: int = 0) -> list[str]:
     """Write every table's shard of this rank; collective when the module is distributed.
     `max_deltas` > 0: a delta on the last snapshot saved or loaded where one can be (see
@@ -283,7 +298,7 @@ def save_snapshot(module, path: str, *, max_deltas: int = 0) -> list[str]:
         _fsync_dir(path)
         keep = {f"v{link['version']}" for link in _links(manifest)}
         for entry in os.listdir(path):
-            if entry.startswith("v") and entry not in keep and os.path.isdir(os.path.join(path, entry)):
+            if entry not in keep and _is_version_dir(os.path.join(path, entry)):
                 shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
     if world > 1:
         dist.barrier(group=module.group)

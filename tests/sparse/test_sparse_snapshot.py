@@ -202,6 +202,23 @@ def test_snapshot_dir_uncreatable_names_path(tmp_path):
         snap.save_snapshot(tec, str(blocker / "snap"))
 
 
+def test_a_save_removes_its_own_older_version_folders_and_nothing_else(tmp_path):
+    tec = TieredEmbeddingCollection(make_config())
+    run_steps(tec, 0, 4)
+    path = tmp_path / "snap"
+    for name, file in [("vocab", "words.txt"), ("venv", "pyvenv.cfg"), ("v1a2b", "notes.txt")]:
+        (path / name).mkdir(parents=True)
+        (path / name / file).write_text("mine")
+    tec.save_snapshot(str(path))
+    first = snap.read_manifest(str(path))["version"]
+    run_steps(tec, 4, 8)
+    tec.save_snapshot(str(path), full=True)  # the first save's version folder goes
+    second = snap.read_manifest(str(path))["version"]
+    assert sorted(p.name for p in path.iterdir()) == sorted(["MANIFEST.json", "v1a2b", "vocab", "venv", f"v{second}"])
+    assert first != second and all((path / n / f).read_text() == "mine" for n, f in
+                                    [("vocab", "words.txt"), ("venv", "pyvenv.cfg"), ("v1a2b", "notes.txt")])
+
+
 def test_commit_is_durable_before_the_manifest_rename(tmp_path, monkeypatch):
     """Every shard file, the version folder and the folder holding it are fsynced before
     MANIFEST.json is renamed into place (else a crash can publish a manifest whose files
