@@ -43,6 +43,10 @@ from .config import TableConfig
 from .hashing import ReferenceIndex, lowest_k, rank_order
 from .tiers import META_FREQ, META_LAST_ACCESS, META_LAST_UPDATE, NUM_META, Tier
 
+LFU_FREQ_BITS = 22
+"""LFU ranks rows by (count, last access) packed in one int64: the count saturates at
+2^22 - 1 (more sightings rank level, then by last access), the last access at 2^41 - 1."""
+
 
 class _FusedGrad:
     """What a fused training lookup's backward needs (TableStore.train_forward)."""
@@ -149,7 +153,11 @@ class TableStore:
     def _score(self, meta_N3: torch.Tensor) -> torch.Tensor:
         """Eviction priority: lower leaves first."""
         if self.cfg.cache_policy == "lfu":
-            return meta_N3[:, META_FREQ] * (1 << 31) + meta_N3[:, META_LAST_ACCESS]
+            # The count above the last access, each saturated so that the sum never wraps
+            # (a wrapped score put the most used row first in line); as csrc/store.c's.
+            last_bits = 63 - LFU_FREQ_BITS
+            return (meta_N3[:, META_FREQ].clamp(max=(1 << LFU_FREQ_BITS) - 1) * (1 << last_bits)
+                    + meta_N3[:, META_LAST_ACCESS].clamp(max=(1 << last_bits) - 1))
         return meta_N3[:, META_LAST_ACCESS]
 
     def _open_from(self) -> int:

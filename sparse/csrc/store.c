@@ -578,9 +578,17 @@ static int cand_cmp(const void *a, const void *b) {
     return cand_less((const Cand *)a, (const Cand *)b) ? -1 : cand_less((const Cand *)b, (const Cand *)a) ? 1 : 0;
 }
 
+/* LFU's score: the count, saturated at 2^LFU_FREQ_BITS - 1, above the last access,
+ * saturated at 2^(63 - LFU_FREQ_BITS) - 1, so that the sum never wraps (as TableStore._score). */
+#define LFU_FREQ_BITS 22
+static inline int64_t lfu_score(int64_t freq, int64_t last) {
+    const int64_t freq_max = (1LL << LFU_FREQ_BITS) - 1, last_max = (1LL << (63 - LFU_FREQ_BITS)) - 1;
+    return (freq < freq_max ? freq : freq_max) * (1LL << (63 - LFU_FREQ_BITS)) + (last < last_max ? last : last_max);
+}
+
 /* The k rows of every tier with the lowest (score, id), lowest first, skipping rows looked
- * up at or after open_from (the open step's): score = last access (lfu = 0), or count *
- * 2^31 + last access (lfu = 1), as the reference's _score. One scan of the tiers' id and
+ * up at or after open_from (the open step's): score = last access (lfu = 0), or
+ * lfu_score (lfu = 1), as the reference's _score. One scan of the tiers' id and
  * metadata slabs with a k-entry heap: no temporary the size of the table. out_loc /
  * out_ids get the rows; returns how many (fewer than k when fewer rows qualify). */
 int64_t lowest_rows(const int64_t *tvd, int64_t k, int64_t lfu, int64_t open_from, int64_t *out_loc,
@@ -600,7 +608,7 @@ int64_t lowest_rows(const int64_t *tvd, int64_t k, int64_t lfu, int64_t open_fro
                 if (is[i] < 0) continue;
                 const int64_t *m = ms + i * NUM_META;
                 if (m[META_LAST_ACCESS] >= open_from) continue;
-                Cand c = {lfu ? m[META_FREQ] * (1LL << 31) + m[META_LAST_ACCESS] : m[META_LAST_ACCESS], is[i],
+                Cand c = {lfu ? lfu_score(m[META_FREQ], m[META_LAST_ACCESS]) : m[META_LAST_ACCESS], is[i],
                           ((sl * per + i) << 2) | t};
                 if (n < k) {
                     h[n++] = c;

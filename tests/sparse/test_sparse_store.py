@@ -254,6 +254,23 @@ def test_lfu_keeps_frequent_rows_on_device():
     assert tier_of(tec, "t", [1, 2, 3, 4]) == ["device", "ssd", "host", "device"]
 
 
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+def test_lfu_keeps_the_most_used_row_whatever_its_count(kernels, tmp_path):
+    """Counts of 2^32 and more (a heavy hitter over a long run) must not wrap the LFU score:
+    a wrapped score put the most used row first in line for max_rows."""
+    from genrec.sparse.store import TableStore
+
+    cfg = TableConfig(name="t", embedding_dim=4, feature_names=["f"], cache_policy="lfu", max_rows=4,
+                      device_rows=8, host_rows=8)
+    store = TableStore(cfg, str(tmp_path), 16, torch.device("cpu"), kernels=kernels)
+    for ids, counts in [([0], [1 << 32]), ([5], [(1 << 40) + 3]), ([1, 2], [1, 1]), ([3], [1]), ([4], [1])]:
+        ids = torch.tensor(ids)
+        store.lookup_train(ids, torch.tensor(counts), None)
+        store.apply_grad(ids, torch.zeros(len(ids), 4), None)  # the backward closes the step
+    # Five rows met max_rows 4 twice: the two least used and oldest (1, then 2) left.
+    assert sorted(store.all_rows()[0].tolist()) == [0, 3, 4, 5]
+
+
 def test_ttl_drops_rows_from_every_tier_and_reinitializes():
     cfg = TableConfig(name="t", embedding_dim=3, feature_names=["f"], device_rows=1, host_rows=1, ttl_seconds=100,
                       learning_rate=0.5)
