@@ -442,6 +442,9 @@ class TableStore:
         meta_C3 = tier.meta.slabs[0]
         meta_C3[:, META_LAST_ACCESS].index_fill_(0, slot_U, self.step)
         meta_C3[:, META_FREQ].index_add_(0, slot_U, counts_U)
+        if self.native:  # CLOCK's reference counts, as the moving path and the native lookup bump them
+            ref = self.clock_ref[top][slot_U].long() + counts_U
+            self.clock_ref[top][slot_U] = ref.clamp(max=self.clock_max).to(torch.uint8)
         self.hits[top] += int(ids_U.numel())
         rows_UW = tier.rows.slabs[0].index_select(0, slot_U.to(tier.rows.slabs[0].device))
         # If no row moves or changes before this call's backward (same version), the

@@ -11,6 +11,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from genrec.sparse import SparseConfig, TableConfig, TieredEmbeddingCollection, native
+from genrec.sparse.store import TableStore
 
 
 def _kjt(keys: list[str], seqs: list[list[int]]) -> KeyedJaggedTensor:
@@ -218,6 +219,28 @@ def test_native_clock_keeps_recent_and_frequent_rows_on_the_device():
     # being used, where recency alone (lru) lets it go.
     assert _device_hits_after("lfu", 6, False, 4) == 0
     assert _device_hits_after("lru", 6, False, 4) != 0
+
+
+def test_clock_counts_what_every_lookup_path_references(tmp_path):
+    """The rows-through-PyTorch path (CUDA's) takes a fast path when every id is resident;
+    its hits must count for CLOCK as the native lookup's do, or hot rows look unreferenced
+    and are pushed down: the same stream gives the same hits and reference counts."""
+    g = torch.Generator().manual_seed(0)
+    stream = [torch.arange(16) if s % 2 == 0 else torch.randint(1000, 100000, (16,), generator=g).unique()
+              for s in range(200)]
+    stores = []
+    for native_rows in (True, False):
+        cfg = TableConfig(name="t", embedding_dim=4, feature_names=["a"], device_rows=64, host_rows=4096)
+        (tmp_path / str(native_rows)).mkdir()
+        store = TableStore(cfg, str(tmp_path / str(native_rows)), 1024, torch.device("cpu"), kernels="native")
+        store.keep_host_hits, store.native_rows = False, native_rows  # False, False: as on CUDA
+        for ids in stream:
+            store.lookup_train(ids, torch.ones_like(ids), None)
+            store.apply_grad(ids, torch.zeros(ids.numel(), 4), None)
+        stores.append(store)
+    fused, torch_rows = stores
+    assert torch_rows.hits.tolist() == fused.hits.tolist() and fused.hits[0] > 0.9 * fused.hits.sum()
+    assert all(torch.equal(a, b) for a, b in zip(fused.clock_ref, torch_rows.clock_ref))
 
 
 def test_missing_native_library_is_an_error_naming_the_fix(monkeypatch, tmp_path):
