@@ -166,6 +166,7 @@ class IVFRetriever:
                              f"item index has {num_items} of dim {dim}")
         self.nprobe = int(nprobe or meta["nprobe"])
         self.k_factor = int(meta.get("k_factor", _K_FACTOR))
+        self.calibration_k = int(meta.get("calibration", {}).get("k", 0))
         self.num_items = num_items
 
     def _selector(self, mask: dict[str, torch.Tensor], keep: list):
@@ -186,18 +187,26 @@ class IVFRetriever:
             keep.append(sel)
         return sel
 
-    def search(self, user_BD: torch.Tensor, k: int, masks: list[dict[str, torch.Tensor]]
+    def search(self, user_BD: torch.Tensor, k: int | list[int], masks: list[dict[str, torch.Tensor]]
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scores [B, k], item-index positions [B, k]), best first; slots the search could
-        not fill score -inf (position 0), as filtered items do in the exact search."""
-        k = min(k, self.num_items)
+        """(scores [B, max k], item-index positions [B, max k]), best first; slots the search
+        could not fill score -inf (position 0), as filtered items do in the exact search.
+        `k`: one for all queries, or each query's own. A query is searched at its own k, and
+        at least at the calibration's: the refinement keeps k_factor x k candidates, so a
+        search at a larger k finds other items, and one request's answer would otherwise
+        depend on another's k in the same batch (and small k would miss the calibrated recall)."""
+        ks = [k] * user_BD.shape[0] if isinstance(k, int) else list(k)
+        width = min(max(ks, default=0), self.num_items)
         q = user_BD.float().contiguous().numpy()
-        scores, found = np.empty((q.shape[0], k), np.float32), np.empty((q.shape[0], k), np.int64)
+        scores, found = np.full((q.shape[0], width), -np.inf, np.float32), np.full((q.shape[0], width), -1, np.int64)
         for b, mask in enumerate(masks):
             keep: list = []
             params = search_parameters(self._faiss, self.nprobe, self.k_factor, self._selector(mask, keep))
             keep.append(params)
-            scores[b : b + 1], found[b : b + 1] = self.index.search(q[b : b + 1], k, params=params)
+            k_b = min(max(ks[b], self.calibration_k), self.num_items)
+            s_b, f_b = self.index.search(q[b : b + 1], k_b, params=params)
+            n = min(ks[b], width)
+            scores[b, :n], found[b, :n] = s_b[0, :n], f_b[0, :n]
         scores_t, found_t = torch.from_numpy(scores), torch.from_numpy(found)
         missing = found_t < 0
         return scores_t.masked_fill(missing, float("-inf")), found_t.masked_fill(missing, 0)

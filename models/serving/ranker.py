@@ -275,7 +275,7 @@ class Ranker:
         ks = [r.k for r in reqs]
         with record_function("genrec.serve.retrieve"):
             masks = [self._filters(r, h) for r, h in zip(reqs, hist)]
-            ret_scores, ret_idx = self.retrieve(user_BD, max(ks), masks)
+            ret_scores, ret_idx = self.retrieve(user_BD, ks, masks)
         cand_idx = []
         for b, k in enumerate(ks):
             keep = torch.isfinite(ret_scores[b, :k])
@@ -393,14 +393,16 @@ class Ranker:
             masks["allowed_N"] = torch.isin(adv, torch.tensor(req.allowed_advertisers, dtype=torch.int64))
         return masks
 
-    def retrieve(self, user_BD: torch.Tensor, k: int, masks: list[dict[str, torch.Tensor]]
+    def retrieve(self, user_BD: torch.Tensor, k: int | list[int], masks: list[dict[str, torch.Tensor]]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 2: exact top-k inner products over the item index (the native scan, or block
-        by block). Returns (scores [B, k'], item-index positions [B, k']), best first; where
-        filters leave fewer than k' items the rest score -inf. An artifact with an
-        approximate index searches that instead (models/serving/ann.py)."""
+        by block). `k`: one for all users, or each user's own. Returns (scores [B, k'],
+        item-index positions [B, k']), k' = min(max k, items), best first; where filters
+        leave fewer than k' items the rest score -inf. An artifact with an approximate index
+        searches that instead (models/serving/ann.py), each user at its own k."""
         if self.ann is not None:
             return self.ann.search(user_BD, k, masks)
+        k = k if isinstance(k, int) else max(k)
         n = self.item_ids_N.numel()
         B = user_BD.shape[0]
         if self._native_scan:

@@ -77,6 +77,23 @@ def test_calibrated_nprobe_keeps_recall_on_user_queries(exported):
     assert _retrieved(forced, req) == _retrieved(exact, req)
 
 
+def test_an_answer_depends_on_neither_its_batch_nor_its_own_k(exported):
+    """The refinement keeps k_factor x k candidates, so a search at a larger k finds other
+    items: each request is searched at its own k (at least the calibration's), never at its
+    batch mates' largest."""
+    _, feats, paths = exported
+    r = load_artifact(paths["ivf"], ServingConfig(max_k=300))
+    reqs = [dict(q, k=10, n=10, sort_by="retrieval") for q in _requests(feats, 7)]
+    big = dict(reqs.pop(), k=300, n=300)
+    alone = [r.rank(q) for q in reqs]
+    batched = r.rank_batch(reqs + [big])[: len(reqs)]
+    wider = [r.rank(dict(q, k=K, n=K)) for q in reqs]
+    for a, b, w in zip(alone, batched, wider):
+        ids = [x["item_id"] for x in a["items"]]
+        assert len(ids) == 10
+        assert [x["item_id"] for x in b["items"]] == ids == [x["item_id"] for x in w["items"]][:10]
+
+
 def test_filters_run_inside_the_search(exported):
     _, feats, paths = exported
     r = load_artifact(paths["ivf"], ServingConfig(max_k=K))
