@@ -439,6 +439,8 @@ def read_manifest(artifact_dir: str | os.PathLike) -> dict:
                       ("tables", dict), ("files", dict), ("feature_dims", dict), ("dim", int)):
         if not isinstance(manifest[key], kind):
             raise ValueError(f"{path}: manifest {key!r} must be a {kind.__name__}, got {type(manifest[key]).__name__}")
+    if manifest["dtype"] not in _TABLE_ROWS:
+        raise ValueError(f"{path}: manifest 'dtype' must be one of {sorted(_TABLE_ROWS)}, got {manifest['dtype']!r}")
     if not isinstance(manifest["tower"].get("max_seq_len"), int):
         raise ValueError(f"{path}: manifest lacks an integer 'tower.max_seq_len'")
     for name, meta in manifest["tables"].items():
@@ -487,6 +489,51 @@ def _load_safetensors(root: Path, rel: str, manifest: dict) -> dict[str, torch.T
         raise ValueError(f"artifact file {rel}: not a readable safetensors file ({e})") from None
 
 
+_TABLE_ROWS = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.uint8}
+_INDEX_ROWS = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}
+
+
+def _check_ids(where: str, key: str, ids: torch.Tensor, count: int | None = None) -> None:
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise ValueError(f"{where}: {key!r} must be int64 [N], got {ids.dtype} {list(ids.shape)}")
+    if count is not None and ids.numel() != count:
+        raise ValueError(f"{where}: {key!r} has {ids.numel()} ids, the manifest says {count}")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError(f"{where}: {key!r} must be strictly increasing (lookups search it)")
+
+
+def _check_shape(where: str, key: str, t: torch.Tensor | None, shape: list[int], dtype: torch.dtype) -> None:
+    if t is None:
+        raise ValueError(f"{where}: needs tensor {key!r} ({dtype} {shape})")
+    if list(t.shape) != shape or t.dtype != dtype:
+        raise ValueError(f"{where}: {key!r} must be {dtype} {shape}, got {t.dtype} {list(t.shape)}")
+
+
+def check_table(where: str, t: dict[str, torch.Tensor], dim: int, dtype: str, num_rows: int | None = None) -> None:
+    """A table's tensors as an artifact (or a delta) of `dtype` at width `dim` holds them:
+    sorted int64 `ids`, one row each, `scale_bias` exactly for int8. Names the file and the
+    tensor: an inconsistent file would otherwise load and fail or answer wrongly per request."""
+    _check_ids(where, "ids", t["ids"], num_rows)
+    n = t["ids"].numel()
+    _check_shape(where, "rows", t.get("rows"), [n, dim], _TABLE_ROWS[dtype])
+    if dtype == "int8":
+        _check_shape(where, "scale_bias", t.get("scale_bias"), [n, 2], torch.float32)
+    elif "scale_bias" in t:
+        raise ValueError(f"{where}: 'scale_bias' in a {dtype} table (only int8 rows have one)")
+
+
+def check_item_index(where: str, index: dict[str, torch.Tensor], manifest: dict, num_items: int | None) -> None:
+    """The item index's columns: sorted int64 `item_ids`, and per item a row of `embeddings`
+    (with its `scale` for int8) and a value of each side feature the manifest lists."""
+    _check_ids(where, "item_ids", index["item_ids"], num_items)
+    n, dtype = index["item_ids"].numel(), manifest["dtype"]
+    _check_shape(where, "embeddings", index.get("embeddings"), [n, manifest["dim"]], _INDEX_ROWS[dtype])
+    if dtype == "int8":
+        _check_shape(where, "scale", index.get("scale"), [n], torch.float32)
+    for f in (manifest.get("item_index") or {}).get("side_features", []):
+        _check_shape(where, f"feature.{f}", index.get(f"feature.{f}"), [n], torch.int64)
+
+
 def load_artifact_contents(artifact_dir: str | os.PathLike) -> ArtifactContents:
     """Verify checksums, then read JSON + safetensors only (nothing is unpickled)."""
     root = Path(artifact_dir)
@@ -498,10 +545,14 @@ def load_artifact_contents(artifact_dir: str | os.PathLike) -> ArtifactContents:
         t = _load_safetensors(root, rel, manifest)
         if "ids" not in t or "rows" not in t:
             raise ValueError(f"artifact file {rel}: needs tensors 'ids' and 'rows'")
+        meta = manifest["tables"][name]
+        check_table(f"artifact file {rel}", t, meta.get("embedding_dim", manifest["dim"]), manifest["dtype"],
+                    meta.get("num_rows"))
         tables[name] = ServingTable(ids_N=t["ids"], rows_ND=t["rows"], scale_bias_N2=t.get("scale_bias"))
     index = _load_safetensors(root, ITEM_INDEX_FILE, manifest)
     if "item_ids" not in index or "embeddings" not in index:
         raise ValueError(f"artifact file {ITEM_INDEX_FILE}: needs tensors 'item_ids' and 'embeddings'")
+    check_item_index(f"artifact file {ITEM_INDEX_FILE}", index, manifest, (manifest.get("item_index") or {}).get("num_items"))
     side = {k[len("feature."):]: v for k, v in index.items() if k.startswith("feature.")}
     return ArtifactContents(
         path=root, manifest=manifest, dense_state=dense_state, tables=tables,

@@ -75,6 +75,46 @@ def test_damaged_file_is_refused_naming_it(model_and_items, tmp_path, damage):
         load_artifact_contents(art)
 
 
+def _rewritten(art: Path, rel: str, change) -> None:
+    """`change` applied to a file's tensors, its checksum refreshed (a faulty writer, not a
+    damaged file): only the contents' own consistency can catch it."""
+    from safetensors.torch import load_file, save_file
+
+    from genrec.data.files import sha256_file
+
+    path = art / rel
+    save_file({k: v.contiguous() for k, v in change(dict(load_file(str(path)))).items()}, str(path))
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["files"][rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    (art / "manifest.json").write_text(json.dumps(manifest))
+
+
+# (dtype, file, change, what the error names). Each loaded before, then failed per request
+# or answered wrongly.
+_INCONSISTENT = [
+    ("fp32", "tables/t_item_id.safetensors", lambda t: {**t, "rows": t["rows"][:10]}, "'rows'"),
+    ("fp32", "tables/t_item_id.safetensors", lambda t: {**t, "rows": t["rows"][:, :8]}, "'rows'"),
+    ("fp32", "tables/t_item_id.safetensors", lambda t: {**t, "ids": t["ids"].flip(0)}, "strictly increasing"),
+    ("int8", "tables/t_item_id.safetensors", lambda t: {k: v for k, v in t.items() if k != "scale_bias"},
+     "'scale_bias'"),
+    ("int8", "tables/t_item_id.safetensors", lambda t: {**t, "rows": t["rows"].float()}, "'rows'"),
+    ("fp32", "item_index.safetensors", lambda t: {**t, "embeddings": t["embeddings"][:50]}, "'embeddings'"),
+    ("int8", "item_index.safetensors", lambda t: {k: v for k, v in t.items() if k != "scale"}, "'scale'"),
+    ("fp32", "item_index.safetensors", lambda t: {**t, "feature.advertiser_id": t["feature.advertiser_id"][:50]},
+     "'feature.advertiser_id'"),
+    ("fp32", "item_index.safetensors", lambda t: {**t, "item_ids": t["item_ids"].float()}, "'item_ids'"),
+]
+
+
+@pytest.mark.parametrize("dtype,rel,change,named", _INCONSISTENT)
+def test_an_inconsistent_file_is_refused_at_load_naming_it(model_and_items, tmp_path, dtype, rel, change, named):
+    art = _export(model_and_items, tmp_path / "a", dtype=dtype)
+    _rewritten(art, rel, change)
+    with pytest.raises(ValueError, match=re.escape(rel)) as err:
+        load_artifact_contents(art)
+    assert named in str(err.value)
+
+
 def test_tampered_manifest_json_is_refused(model_and_items, tmp_path):
     art = _export(model_and_items, tmp_path / "a")
     (art / "manifest.json").write_text("{not json")
