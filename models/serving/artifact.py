@@ -42,6 +42,7 @@ rewrite a file can rewrite the manifest beside it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -493,7 +494,17 @@ _TABLE_ROWS = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.uint8
 _INDEX_ROWS = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}
 
 
-def _check_ids(where: str, key: str, ids: torch.Tensor, count: int | None = None) -> None:
+def content_fingerprint(manifest: dict) -> str:
+    """What names an artifact's contents beyond its version string (two runs can export the
+    same name): a digest of its files' checksums. Contents built by a delta carry the
+    fingerprint of the artifact they equal."""
+    if isinstance(manifest.get("fingerprint"), str):
+        return manifest["fingerprint"]
+    sums = {rel: info["sha256"] for rel, info in sorted(manifest["files"].items())}
+    return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_ids(where: str, key: str, ids: torch.Tensor, count: int | None = None) -> None:
     if ids.dtype != torch.int64 or ids.dim() != 1:
         raise ValueError(f"{where}: {key!r} must be int64 [N], got {ids.dtype} {list(ids.shape)}")
     if count is not None and ids.numel() != count:
@@ -513,7 +524,7 @@ def check_table(where: str, t: dict[str, torch.Tensor], dim: int, dtype: str, nu
     """A table's tensors as an artifact (or a delta) of `dtype` at width `dim` holds them:
     sorted int64 `ids`, one row each, `scale_bias` exactly for int8. Names the file and the
     tensor: an inconsistent file would otherwise load and fail or answer wrongly per request."""
-    _check_ids(where, "ids", t["ids"], num_rows)
+    check_ids(where, "ids", t["ids"], num_rows)
     n = t["ids"].numel()
     _check_shape(where, "rows", t.get("rows"), [n, dim], _TABLE_ROWS[dtype])
     if dtype == "int8":
@@ -525,7 +536,7 @@ def check_table(where: str, t: dict[str, torch.Tensor], dim: int, dtype: str, nu
 def check_item_index(where: str, index: dict[str, torch.Tensor], manifest: dict, num_items: int | None) -> None:
     """The item index's columns: sorted int64 `item_ids`, and per item a row of `embeddings`
     (with its `scale` for int8) and a value of each side feature the manifest lists."""
-    _check_ids(where, "item_ids", index["item_ids"], num_items)
+    check_ids(where, "item_ids", index["item_ids"], num_items)
     n, dtype = index["item_ids"].numel(), manifest["dtype"]
     _check_shape(where, "embeddings", index.get("embeddings"), [n, manifest["dim"]], _INDEX_ROWS[dtype])
     if dtype == "int8":

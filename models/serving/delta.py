@@ -19,7 +19,9 @@ Applying keeps the base tables memory-mapped: each table gets a sorted patch (th
 rows) that lookups consult first, so the work is proportional to the delta, not the table.
 The item index, which exact retrieval scans whole, is merged. A new `Ranker` is built beside
 the serving one and swapped in whole, so no request sees a half-applied delta. A delta whose
-base is not the serving version is refused (`DeltaConflict`: HTTP 409, naming both).
+base is not the serving version, by name or by contents (`base_fingerprint`: two runs can
+export the same name), is refused (`DeltaConflict`: HTTP 409, naming both); one whose
+tensors or model config do not fit the serving model is refused before anything is built.
 Artifacts with an approximate index take full reloads (its lists would need rebuilding).
 """
 
@@ -37,8 +39,8 @@ from genrec.data.files import claim_output_dir, publish_dir, sha256_file, stagin
 from genrec.models.ids import sorted_positions
 from genrec.models.serving.ann import manifest_entry as ann_manifest_entry
 from genrec.models.serving.artifact import (
-    DENSE_FILE, ITEM_INDEX_FILE, MANIFEST, ArtifactContents, ServingTable, TablePatch, load_artifact_contents,
-    verify_files,
+    DENSE_FILE, ITEM_INDEX_FILE, MANIFEST, ArtifactContents, ServingTable, TablePatch, check_ids, check_item_index,
+    check_table, content_fingerprint, load_artifact_contents, verify_files,
 )
 
 DELTA_FORMAT = "genrec.delta/1"
@@ -120,6 +122,7 @@ def write_delta(new_dir: str | Path, base_dir: str | Path, out_dir: str | Path, 
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
         artifact = {k: v for k, v in nm.items() if k != "files"}
         manifest = {"format": DELTA_FORMAT, "version": nm["version"], "base_version": bm["version"],
+                    "base_fingerprint": content_fingerprint(bm), "fingerprint": content_fingerprint(nm),
                     "changes": counts, "artifact": artifact, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         publish_dir(tmp, out, manifest=MANIFEST, format=DELTA_FORMAT)
@@ -193,22 +196,45 @@ def apply_delta(contents: ArtifactContents, delta_dir: str | Path) -> ArtifactCo
     """The contents of the artifact that `delta_dir` describes, built from `contents` (the
     serving base, left untouched) without reading the base tables."""
     manifest, files = read_delta(delta_dir)
-    if manifest["base_version"] != contents.manifest["version"]:
+    serving = contents.manifest
+    if manifest["base_version"] != serving["version"]:
         raise DeltaConflict(f"delta {delta_dir} applies to version {manifest['base_version']!r}, but version "
-                            f"{contents.manifest['version']!r} is serving")
-    if ann_manifest_entry(contents.manifest):
+                            f"{serving['version']!r} is serving")
+    base_fp = manifest.get("base_fingerprint")
+    if base_fp is not None and base_fp != content_fingerprint(serving):
+        raise DeltaConflict(f"delta {delta_dir} applies to version {manifest['base_version']!r} with contents "
+                            f"{base_fp}, but version {serving['version']!r} is serving other contents "
+                            f"({content_fingerprint(serving)}): another model exported under the same name")
+    if ann_manifest_entry(serving):
         raise ValueError(f"delta {delta_dir}: the serving artifact has an approximate retrieval index; reload a "
                          "full artifact instead")
+    new = manifest["artifact"]
+    differ = sorted(k for k in _comparable(serving) if new.get(k) != serving[k])
+    if differ or set(new.get("tables", {})) != set(serving["tables"]):
+        raise ValueError(f"delta {delta_dir}: its model differs from the serving one in {differ or ['tables']}; "
+                         "a delta carries rows and weights only: reload a full artifact")
     tables = {}
     for name, base in contents.tables.items():
-        d = files.get(f"tables/{name}.safetensors")
-        if d is None:
-            raise ValueError(f"delta {delta_dir}: no tables/{name}.safetensors for table {name!r}")
+        rel = f"tables/{name}.safetensors"
+        d = files.get(rel)
+        if d is None or "ids" not in d or "removed_ids" not in d:
+            raise ValueError(f"delta {delta_dir}: {rel} is missing, or lacks 'ids' or 'removed_ids'")
+        check_table(f"delta file {rel}", d, base.dim, serving["dtype"])
+        check_ids(f"delta file {rel}", "removed_ids", d["removed_ids"])
         cols = {"rows_ND": d["rows"], "scale_bias_N2": d.get("scale_bias")}
         cols = {k: v for k, v in cols.items() if v is not None}
         tables[name] = dataclasses.replace(base, patch=_merge_patch(base.patch, d["ids"], cols, d["removed_ids"]))
-    index = _merge_index(contents, files[ITEM_INDEX_FILE])
-    new_manifest = dict(manifest["artifact"], files=contents.manifest["files"])
+    if DENSE_FILE not in files:
+        raise ValueError(f"delta {delta_dir}: {DENSE_FILE} is missing")
+    d = files.get(ITEM_INDEX_FILE, {})
+    if "item_ids" not in d or "removed_ids" not in d:
+        raise ValueError(f"delta {delta_dir}: {ITEM_INDEX_FILE} is missing, or lacks 'item_ids' or 'removed_ids'")
+    check_item_index(f"delta file {ITEM_INDEX_FILE}", d, serving, None)
+    check_ids(f"delta file {ITEM_INDEX_FILE}", "removed_ids", d["removed_ids"])
+    index = _merge_index(contents, d)
+    new_manifest = dict(new, files=serving["files"])
+    if manifest.get("fingerprint"):  # the next delta names these contents by the full artifact's fingerprint
+        new_manifest["fingerprint"] = manifest["fingerprint"]
     return ArtifactContents(
         path=contents.path, manifest=new_manifest, dense_state=files[DENSE_FILE], tables=tables,
         item_ids_N=index["item_ids"], item_rows_ND=index["embeddings"], item_scale_N=index.get("scale"),

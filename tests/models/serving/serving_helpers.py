@@ -1,8 +1,9 @@
 """Real servers on loopback for the serving tests: `genrec serve` in a child process, or
-uvicorn in a thread of this process."""
+uvicorn in a thread of this process; and a faulty writer's files."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -73,3 +74,18 @@ def serve_in_thread(app):
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def rewrite_tensors(root: Path, rel: str, change) -> None:
+    """`change` applied to the tensors of file `rel` of an artifact or delta, its checksum in
+    the manifest refreshed (a faulty writer, not a damaged file): only the contents' own
+    consistency can catch it."""
+    from safetensors.torch import load_file, save_file
+
+    from genrec.data.files import sha256_file
+
+    path = root / rel
+    save_file({k: v.contiguous() for k, v in change(dict(load_file(str(path)))).items()}, str(path))
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["files"][rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    (root / "manifest.json").write_text(json.dumps(manifest))

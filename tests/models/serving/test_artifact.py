@@ -23,6 +23,8 @@ from genrec.models.serving.artifact import (
 )
 from genrec.models.serving.bench import build_synthetic_model
 
+from serving_helpers import rewrite_tensors
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -75,20 +77,6 @@ def test_damaged_file_is_refused_naming_it(model_and_items, tmp_path, damage):
         load_artifact_contents(art)
 
 
-def _rewritten(art: Path, rel: str, change) -> None:
-    """`change` applied to a file's tensors, its checksum refreshed (a faulty writer, not a
-    damaged file): only the contents' own consistency can catch it."""
-    from safetensors.torch import load_file, save_file
-
-    from genrec.data.files import sha256_file
-
-    path = art / rel
-    save_file({k: v.contiguous() for k, v in change(dict(load_file(str(path)))).items()}, str(path))
-    manifest = json.loads((art / "manifest.json").read_text())
-    manifest["files"][rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-    (art / "manifest.json").write_text(json.dumps(manifest))
-
-
 # (dtype, file, change, what the error names). Each loaded before, then failed per request
 # or answered wrongly.
 _INCONSISTENT = [
@@ -109,7 +97,7 @@ _INCONSISTENT = [
 @pytest.mark.parametrize("dtype,rel,change,named", _INCONSISTENT)
 def test_an_inconsistent_file_is_refused_at_load_naming_it(model_and_items, tmp_path, dtype, rel, change, named):
     art = _export(model_and_items, tmp_path / "a", dtype=dtype)
-    _rewritten(art, rel, change)
+    rewrite_tensors(art, rel, change)
     with pytest.raises(ValueError, match=re.escape(rel)) as err:
         load_artifact_contents(art)
     assert named in str(err.value)

@@ -5,6 +5,7 @@ while serving with no request seeing a half-applied model."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 import time
@@ -19,7 +20,7 @@ from genrec.models.serving.delta import DeltaConflict, apply_delta, write_delta
 from genrec.models.serving.ranker import Ranker, ServingConfig, load_artifact
 from genrec.models.serving.server import create_app
 
-from serving_helpers import TOKEN, serve_in_thread
+from serving_helpers import TOKEN, rewrite_tensors, serve_in_thread
 
 NUM_ITEMS = 600
 CFG = ServingConfig(max_k=40, micro_batch=16)
@@ -84,6 +85,37 @@ def test_a_delta_for_another_base_is_refused_naming_both(versions):
     base = load_artifact(versions["arts"]["v1"], CFG)
     with pytest.raises(DeltaConflict, match="'v2'.*'v1'"):
         apply_delta(base.contents, versions["deltas"]["v3"])
+
+
+def test_a_delta_for_another_model_of_the_same_version_name_is_refused(versions, tmp_path):
+    """Two runs can export the same version name (a retrain with --fresh in the same folder):
+    a delta names its base's contents too, and serving other contents is a conflict."""
+    model, item_ids, feats = build_synthetic_model(num_items=NUM_ITEMS, dim=16, max_seq_len=96, seed=7)
+    other = export_artifact(model, {}, tmp_path / "v1", dtype="int8", item_ids=item_ids, item_features=feats,
+                            version="v1", export_program=False)
+    delta = write_delta(versions["arts"]["v2"], other, tmp_path / "d")
+    base = load_artifact(versions["arts"]["v1"], CFG)
+    with pytest.raises(DeltaConflict, match="'v1' is serving other contents"):
+        apply_delta(base.contents, delta)
+    assert apply_delta(load_artifact(other, CFG).contents, delta).manifest["version"] == "v2"
+
+
+@pytest.mark.parametrize("rel,change,named", [
+    ("tables/t_item_id.safetensors", lambda t: {**t, "rows": t["rows"][:, :8]}, "'rows'"),
+    ("tables/t_item_id.safetensors", lambda t: {k: v for k, v in t.items() if k != "scale_bias"}, "'scale_bias'"),
+    ("item_index.safetensors", lambda t: {**t, "embeddings": t["embeddings"][:, :8]}, "'embeddings'"),
+    ("item_index.safetensors", lambda t: {**t, "removed_ids": t["removed_ids"].float()}, "'removed_ids'"),
+])
+def test_a_delta_that_does_not_fit_the_serving_model_is_refused(versions, tmp_path, rel, change, named):
+    """Checked against the serving model before the swap: such a delta used to be applied,
+    and then every request that read a patched row failed."""
+    bad = tmp_path / "bad"
+    shutil.copytree(versions["deltas"]["v2"], bad)
+    rewrite_tensors(bad, rel, change)
+    base = load_artifact(versions["arts"]["v1"], CFG)
+    with pytest.raises(ValueError, match=re.escape(rel)) as err:
+        apply_delta(base.contents, bad)
+    assert named in str(err.value)
 
 
 def test_a_damaged_delta_is_refused_naming_the_file(versions, tmp_path):
