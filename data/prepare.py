@@ -378,6 +378,11 @@ def _pass1_spill(logs, features, columns, rec_dtype, spill_dir, num_buckets, tot
                             arr = hash_string_ids(arr)
                         elif pa.types.is_boolean(arr.type):
                             arr = arr.cast(pa.int8())
+                        elif pa.types.is_uint64(arr.type):  # stored as int64: the top half would wrap negative
+                            top = pc.max(arr).as_py()
+                            if top is not None and top > np.iinfo(np.int64).max:
+                                raise ValueError(f"{log.path}: column {name!r} has value {top} in row group {rg}, "
+                                                 "above 2^63 - 1 (ids and times are kept as int64)")
                         if arr.null_count:
                             # Missing optional ids / labels read as 0 ("absent").
                             arr = pc.fill_null(arr, 0)

@@ -185,6 +185,12 @@ BAD_TABLES = {
     "null ts": (lambda t: _null_at(t, "ts", 199), "'ts'.*nulls in row group 1"),
     "label out of 0/1": (lambda t: _with(t, "click", pa.array([2] * t.num_rows, pa.int8())), "'click'.*0/1"),
     "empty file": (lambda t: t.slice(0, 0), "empty file"),
+    # uint64 above 2^63 - 1 used to wrap to a negative int64: the latest event sorted first.
+    "uint64 ts past int64": (lambda t: _with(t, "ts", pa.array([(1 << 63) + 10] + t.column("ts").to_pylist()[1:],
+                                                            pa.uint64())), "'ts'.*value 9223372036854775818 in row group 0"),
+    "uint64 item past int64": (lambda t: _with(t, "item_id", pa.array(t.column("item_id").to_pylist()[:150] + [1 << 63]
+                                                                      + t.column("item_id").to_pylist()[151:], pa.uint64())),
+                               "'item_id'.*in row group 1"),
 }
 
 
