@@ -132,12 +132,23 @@ def latest_checkpoint(root: str | Path, *, required: bool = False) -> Path | Non
 
 
 def read_best(run_dir: str | Path) -> dict[str, Any] | None:
-    """The run's best-validation record ({step, metric, value, checkpoint}), or None."""
+    """The run's best-validation record ({step, metric, value, checkpoint}), or None when
+    the run has none. One this code did not write (it writes atomically) is an error naming
+    the file and the field."""
+    path = Path(run_dir) / BEST_FILE
     try:
-        best = json.loads((Path(run_dir) / BEST_FILE).read_text())
-    except (OSError, ValueError):
+        best = json.loads(path.read_text())
+    except FileNotFoundError:
         return None
-    return best if isinstance(best, dict) and isinstance(best.get("step"), int) else None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable best-checkpoint record ({e}); remove it to use the latest "
+                         "checkpoint") from None
+    fields = {"step": int, "checkpoint": str, "metric": str, "value": (int, float)}
+    for key, kind in fields.items():
+        if not isinstance(best, dict) or not isinstance(best.get(key), kind) or isinstance(best.get(key), bool):
+            raise ValueError(f"{path}: field {key!r} is missing or of the wrong type; remove the file to use the "
+                             "latest checkpoint")
+    return best
 
 
 def write_best(run_dir: str | Path, best: dict[str, Any]) -> None:

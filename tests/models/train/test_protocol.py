@@ -50,6 +50,10 @@ def test_best_checkpoint_is_kept_and_chosen(prepared, tmp_path):
     assert latest.name == "step-00000008"
     kept = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert kept == sorted({step_dir.name, latest.name})  # keep_checkpoints=1 plus the pinned best
+    # A record this code did not write is an error naming the file and field, not a KeyError.
+    (run / BEST_FILE).write_text(json.dumps({k: v for k, v in best.items() if k != "checkpoint"}))
+    with pytest.raises(ValueError, match=r"best\.json: field 'checkpoint'"):
+        resolve_checkpoint(run)
 
 
 def test_eval_reports_the_best_checkpoint_by_default(prepared, tmp_path, capsys):
