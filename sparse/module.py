@@ -37,6 +37,7 @@ table's default row and no counter, row or tier changes.
 from __future__ import annotations
 
 import os
+import re
 import weakref
 
 import torch
@@ -333,6 +334,9 @@ class TieredEmbeddingCollection(nn.Module):
         self.feature_to_table: dict[str, str] = {}
         self.tables: dict[str, TableConfig] = {}
         for t in config.tables:
+            if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", t.name):
+                raise ValueError(f"SparseConfig.tables: table name {t.name!r} must be letters, digits, '_', '.' or '-' "
+                                 "(not first): it names the table's files and folders")
             if t.name in self.tables:
                 raise ValueError(f"SparseConfig.tables: table name {t.name!r} appears twice")
             self.tables[t.name] = t

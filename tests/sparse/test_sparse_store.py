@@ -347,6 +347,12 @@ def test_bad_ssd_dir_raises_naming_path(tmp_path):
         TieredEmbeddingCollection(SparseConfig(tables=[cfg], ssd_dir="/proc"))
     with pytest.raises(ValueError, match="table name 't' appears twice"):
         TieredEmbeddingCollection(SparseConfig(tables=[cfg, cfg]))
+    # A table's name names its SSD folder and snapshot files: no way out of ssd_dir.
+    for name in ["../t", "a/b", ".hidden", ""]:
+        bad = TableConfig(name=name, embedding_dim=2, feature_names=["f"])
+        with pytest.raises(ValueError, match="table name .* must be letters"):
+            TieredEmbeddingCollection(SparseConfig(tables=[bad], ssd_dir=str(tmp_path)))
+    assert not list(tmp_path.iterdir())
 
 
 def test_planner_keeps_small_tables_in_memory_and_splits_budgets():
