@@ -134,6 +134,7 @@ def _side_by_side(fns: dict, reps: int) -> dict[str, list[float]]:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+    gc.unfreeze()  # frozen objects are never freed, not even at exit
     return times
 
 

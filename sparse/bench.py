@@ -199,6 +199,7 @@ def bench_hot_path(num_rows: int, batch: int, dim: int, repeats: int, root: str)
     steps = {"baseline": baseline, "host": lambda ids: _train_step(tecs["host"], ids), "default": default_step,
              "fbgemm": _fbgemm_tbe(num_rows, dim)}
     t = _side_by_side(steps, batches)
+    gc.unfreeze()  # frozen objects are never freed, not even at exit
     ratio = lambda side: _spread([b / s for b, s in zip(t["baseline"], t[side])])  # noqa: E731
     rows_per_s = lambda side: _spread([batch / s for s in t[side]])  # noqa: E731
     index = tecs["host"].stores["t"].index

@@ -319,6 +319,9 @@ class Trainer:
             stop.restore()
             batches.close()
             logger.close()
+            # Frozen objects are never freed, not even at exit: extension types that check
+            # for leaks at shutdown (Triton's, imported by torch where installed) print pages.
+            gc.unfreeze()
         return losses
 
     def _validate_and_keep_best(self, logger, loader_state: dict) -> None:
