@@ -76,7 +76,11 @@ def batch_ranks(
         # An evaluation batch's one candidate per user is its target: the prediction's time.
         batch = dataclasses.replace(batch, query_time_B=batch.candidate_timestamps_C)
     user_BD = model.user_embeddings(last_window(batch, window))
-    return target_ranks(user_BD @ item_emb_ND.T, batch.targets_B, item_corpus,
+    # Scores in fp32 whatever the caller's autocast: bf16 scores tie often, and a tie ranks
+    # the target below every item it ties with.
+    with torch.autocast(user_BD.device.type, enabled=False):
+        scores_BN = user_BD.float() @ item_emb_ND.float().T
+    return target_ranks(scores_BN, batch.targets_B, item_corpus,
                         batch.history[model.features.item].values(), batch.history_lengths_B)
 
 

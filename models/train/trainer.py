@@ -359,7 +359,8 @@ class Trainer:
         max_users = self.cfg.train.eval_max_users
         max_batches = -(-max_users // (batch_size * self.dist.world_size)) if max_users else None
         self.model.eval()
-        with self._autocast(), gathered(self.model):
+        # In fp32, as `genrec eval` scores: the two must agree on the best checkpoint's metric.
+        with gathered(self.model):
             result = evaluate_retrieval(self.model, itertools.islice(loader, max_batches), ks=VALIDATION_KS,
                                         window=self.cfg.data.loader.max_seq_len)
         self.model.train()

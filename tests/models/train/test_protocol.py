@@ -242,17 +242,18 @@ def test_unsupported_negatives_are_errors_naming_the_key(prepared, tmp_path):
     assert to_dict(cfg)["model"]["negatives"] == "in_batch"
 
 
-@pytest.mark.parametrize("eval_batch_size", [0, 3])
-def test_training_validation_is_genrec_evals_metric(prepared, tmp_path, eval_batch_size):
+@pytest.mark.parametrize("eval_batch_size,precision", [(0, "fp32"), (3, "fp32"), (0, "bf16")])
+def test_training_validation_is_genrec_evals_metric(prepared, tmp_path, eval_batch_size, precision):
     """Histories here are longer than the model's window (24): validation must filter every
     seen item, not only the window's, exactly as `genrec eval` does, whatever the number of
-    users it scores at once (0: the automatic size, larger than the training batch)."""
+    users it scores at once (0: the automatic size, larger than the training batch), and in
+    fp32 whatever the training precision (bf16 scores tie, and ties rank the target low)."""
     from genrec.models.evaluation.evaluate import run_evaluation
     from genrec.models.train.trainer import run_training
 
     run = tmp_path / "run"
     cfg = tiny_config(prepared, run, max_steps=4, checkpoint_every=1000, eval_max_users=0,
-                      eval_batch_size=eval_batch_size)
+                      eval_batch_size=eval_batch_size, precision=precision)
     cfg.model.ranking = False
     run_training(cfg)
     valid = next(r for r in _records(run) if "valid/ndcg@10" in r)
