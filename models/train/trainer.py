@@ -277,7 +277,13 @@ class Trainer:
         gc.freeze()
         try:
             stopped = False
-            while self.step < tc.max_steps:
+            # A run that stopped early stays stopped when its command runs again (a larger
+            # patience on resume lets it go on).
+            finished = bool(tc.early_stop_patience) and self.validations_since_best >= tc.early_stop_patience
+            if finished:
+                logger.write(f"stopped early at step {self.step} before: no new best {tc.best_metric} in "
+                             f"{self.validations_since_best} validations; nothing to train")
+            while not finished and self.step < tc.max_steps:
                 if stop.should_stop():  # collective: every rank stops at the same step
                     stopped = True
                     break

@@ -84,6 +84,9 @@ def test_early_stopping_after_patience(prepared, tmp_path):
         t.learning_rate = 0.0  # nothing learns: no validation can beat the first
     losses = run_training(cfg)
     assert len(losses) == 6  # best at 2, no new best at 4 and 6 -> stop
+    # The same command again resumes a run that has stopped: it trains no further.
+    assert run_training(cfg) == []
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000002", "step-00000006"]
 
 
 def test_unknown_best_metric_is_an_error_naming_the_key(prepared, tmp_path):
