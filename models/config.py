@@ -35,7 +35,8 @@ class OptimConfig:
     warmup_steps: int = 0
     """Steps of linear warmup from lr/warmup_steps up to lr."""
     min_lr_ratio: float = 0.1
-    """Cosine decay ends at lr * min_lr_ratio at the last step and stays there."""
+    """Cosine decay from lr (the first step after warm-up) towards lr * min_lr_ratio, which
+    the schedule reaches at max_steps: the last step runs just above it."""
     grad_clip_norm: float | None = 1.0
     """Clip the global dense-gradient L2 norm to this; None turns clipping off."""
 

@@ -269,7 +269,7 @@ def ranking_task_metrics(
     """All ranking metrics of one task over flat arrays (see the module docstring)."""
     n = int(len(probs_S))
     out: dict[str, Any] = {"count": n, "positives": int(labels_S.sum()) if n else 0}
-    edges = np.linspace(0.0, 1.0, num_bins + 1)
+    edges = np.arange(num_bins + 1) / num_bins  # exact decimals: linspace's third edge is 0.30000000000000004
     # Bins are [low, high), the last one [low, 1]; searching the edge array (not p * num_bins)
     # keeps a prediction of exactly 0.3 in the bin that starts at 0.3.
     bin_S = np.searchsorted(edges[1:-1], probs_S, side="right")

@@ -245,11 +245,11 @@ class Trainer:
                 parts["grad_norm"] = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            parts["lr"] = self.scheduler.get_last_lr()[0]  # the rate this step used
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.store.finish_row_updates()  # their gradients travelled during the dense step
         parts["loss"] = float(loss.detach())
-        parts["lr"] = self.scheduler.get_last_lr()[0]
         return parts
 
     def read_ahead_next(self, upcoming) -> None:

@@ -237,6 +237,11 @@ def test_ranking_hand_case_edges_and_one_class():
     assert r["calibration"] == pytest.approx(1.6 / 2)
     assert r["auc"] == pytest.approx(0.875)  # pos {0.3, 1.0} vs neg {0.0, 0.3}
     assert r["gauc"] == pytest.approx(1.0) and r["gauc_users"] == 2
+    # Every edge lands in the bin it starts (linspace's edges are off by an ulp: 0.3, 0.7).
+    edges = RankingMetrics(tasks=["click"], num_bins=10)
+    p = torch.arange(11, dtype=torch.float64)[:, None] / 10
+    edges.update(torch.arange(11), p, torch.zeros(11, 1))
+    assert [b["count"] for b in edges.compute()["click"]["reliability"]] == [1] * 9 + [2]
     assert math.isfinite(r["logloss"])  # p = 0 with y = 0 and p = 1 with y = 1 are clipped, finite
 
     one_class = RankingMetrics(tasks=["conversion"])

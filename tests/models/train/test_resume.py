@@ -8,8 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from genrec.models.config_loader import to_dict
+from genrec.models.train.schedule import warmup_cosine
 from genrec.scripts.cli import main
 from train_helpers import tiny_config
 
@@ -44,9 +46,13 @@ def test_changed_settings_take_effect_after_the_restore(prepared, tmp_path, caps
     for change in ("train.optim.lr: 0.001 -> 0.004", "train.max_steps: 6 -> 10", "train.log_every: 1 -> 2",
                    "train.eval_every: 0 -> 2", "train.optim.warmup_steps: 0 -> 2"):
         assert change in err, err
-    # The next step's lr is the new schedule's at this step, whatever the optimizer state saved.
+    # The next step's lr is the new schedule's for step 7, whatever the optimizer state saved.
     assert trainer.step == 6
-    assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx([ref[6]["lr"]] * 2, rel=1e-12)
+    o = trainer.cfg.train.optim
+    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=o.lr)
+    step7 = o.lr * warmup_cosine(dummy, warmup_steps=o.warmup_steps, total_steps=10,
+                                 min_lr_ratio=o.min_lr_ratio).lr_lambdas[0](6)
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx([step7] * 2, rel=1e-12)
     trainer.train()
     got = _records(run)
     assert [s for s in got if s > 6] == [8, 10]  # the new log cadence
