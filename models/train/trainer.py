@@ -360,10 +360,12 @@ class Trainer:
             return {}
         batch_size = self.cfg.train.eval_batch_size or validation_batch_size(
             self.cfg.data.loader.batch_size, int(self.model.item_corpus.numel()))
-        loader = eval_loader(self.cfg, "valid", rank=self.dist.rank, world_size=self.dist.world_size,
+        max_users, world = self.cfg.train.eval_max_users, self.dist.world_size
+        if max_users:  # whole batches of up to max_users in all: batches larger would score more
+            batch_size = min(batch_size, -(-max_users // world))
+        loader = eval_loader(self.cfg, "valid", rank=self.dist.rank, world_size=world,
                              full_history=True, batch_size=batch_size)
-        max_users = self.cfg.train.eval_max_users
-        max_batches = -(-max_users // (batch_size * self.dist.world_size)) if max_users else None
+        max_batches = -(-max_users // (batch_size * world)) if max_users else None
         self.model.eval()
         # In fp32, as `genrec eval` scores: the two must agree on the best checkpoint's metric.
         with gathered(self.model):

@@ -89,6 +89,16 @@ def test_early_stopping_after_patience(prepared, tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000002", "step-00000006"]
 
 
+def test_validation_scores_at_most_eval_max_users(prepared, tmp_path):
+    from genrec.models.train.trainer import run_training
+
+    run = tmp_path / "run"
+    run_training(tiny_config(prepared, run, max_steps=2, eval_every=2, checkpoint_every=1000, eval_max_users=16))
+    assert load_manifest(prepared)["counts"]["rows"]["valid"] > 16
+    # Not rounded up to whole batches of the automatic size (at least 2,048 users).
+    assert [r["valid/num_users"] for r in _records(run) if "valid/num_users" in r] == [16]
+
+
 def test_unknown_best_metric_is_an_error_naming_the_key(prepared, tmp_path):
     from genrec.models.train.trainer import run_training
 
