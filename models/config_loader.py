@@ -22,6 +22,9 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 T = TypeVar("T")
 
+NONE = "none"
+"""How a config file or `--set` turns off a setting whose type admits None (TOML has no null)."""
+
 
 def _is_config(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
@@ -31,7 +34,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = get_args(tp)
-        if value is None and type(None) in args:
+        if type(None) in args and (value is None or value == NONE):  # TOML has no null: "none"
             return None
         errors = []
         for arg in args:
@@ -97,7 +100,8 @@ def from_dict(cls: type[T], data: dict[str, Any], *, prefix: str = "") -> T:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """The inverse of `from_dict` (TOML/JSON friendly; None values dropped)."""
+    """The inverse of `from_dict` (TOML/JSON friendly): a None that is the field's default is
+    dropped, another None is written as "none" (dropped, it would read back as the default)."""
     out = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
@@ -107,6 +111,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
             value = [to_dict(v) for v in value]
         if value is not None:
             out[f.name] = value
+        elif f.default is not None and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING):
+            out[f.name] = NONE
     return out
 
 

@@ -1,9 +1,11 @@
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 import pytest
 
+from genrec.models.config import JobConfig
 from genrec.models.config_loader import from_dict, load_config, to_dict
 
 
@@ -84,3 +86,20 @@ def test_file_errors_name_the_file(tmp_path):
         load_config(Root, bad)
     with pytest.raises(ValueError, match=r"tables\[0\]"):
         load_config(Root, None, ["tables=[{dim = 3}]"])
+
+
+def test_none_turns_off_an_optional_setting_and_survives_a_round_trip(tmp_path):
+    """TOML has no null: "none" (in a file or a --set) sets a field whose type admits None,
+    and a None that is not the field's default is written back as "none", not dropped
+    (dropped, config.json and load_trained brought back the default)."""
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nbest_metric = "none"\n')
+    cfg = load_config(JobConfig, path, ["train.optim.grad_clip_norm=none"])
+    assert cfg.train.best_metric is None and cfg.train.optim.grad_clip_norm is None
+    saved = to_dict(cfg)
+    assert saved["train"]["best_metric"] == "none" and saved["train"]["optim"]["grad_clip_norm"] == "none"
+    again = from_dict(JobConfig, json.loads(json.dumps(saved)))
+    assert again.train.best_metric is None and again.train.optim.grad_clip_norm is None
+    assert "num_epochs" not in saved["train"]  # a None that is the default stays out, as before
+    with pytest.raises(ValueError, match="train.log_every: expected an integer, got 'none'"):
+        load_config(JobConfig, None, ["train.log_every=none"])  # not optional: still an error
