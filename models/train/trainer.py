@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from genrec.data.files import atomic_write_json, atomic_write_text
-from genrec.data.loader import make_loader
+from genrec.data.loader import SequenceDataset, make_loader
 from genrec.data.prepare import load_manifest
 from genrec.models.build import (
     build_model, config_fingerprint, dense_named_parameters, dense_state_dict, eval_loader, gathered,
@@ -452,7 +452,7 @@ class Trainer:
                 f"epoch {loader.epoch} is {len(loader) - loader.batches_done} steps on this world")
         if tc.num_epochs is not None:
             left = len(loader) - loader.batches_done
-            left += max(tc.num_epochs - loader.epoch - 1, 0) * steps_per_epoch(self.cfg, self.dist.world_size)
+            left += sum(steps_per_epoch(self.cfg, self.dist.world_size, e) for e in range(loader.epoch + 1, tc.num_epochs))
             tc.max_steps = self.step + (left if loader.epoch < tc.num_epochs else 0)
             saved = self.scheduler.state_dict()
             self.scheduler = warmup_cosine(
@@ -467,29 +467,33 @@ class Trainer:
 
 def resolve_epochs(cfg: JobConfig, world_size: int) -> JobConfig:
     """`cfg` with `train.num_epochs` / `train.eval_every_epochs` turned into steps (so that
-    config.json records the steps in effect)."""
+    config.json records the steps in effect): the loader's own batches of each epoch, so a
+    run of N epochs ends where the loader's N-th epoch does. With several loader workers an
+    epoch's count moves by a batch or so between epochs (each worker ends its rows with a
+    short batch of its own): `eval_every` follows the first epoch's."""
     tc = cfg.train
     if tc.num_epochs is None and not tc.eval_every_epochs:
         return cfg
-    per_epoch = steps_per_epoch(cfg, world_size)
     tc = dataclasses.replace(tc)
     if tc.num_epochs is not None:
         if tc.num_epochs < 1:
             raise ValueError(f"train.num_epochs must be >= 1, got {tc.num_epochs}")
-        tc.max_steps = tc.num_epochs * per_epoch
+        tc.max_steps = sum(steps_per_epoch(cfg, world_size, epoch) for epoch in range(tc.num_epochs))
     if tc.eval_every_epochs:
-        tc.eval_every = tc.eval_every_epochs * per_epoch
+        tc.eval_every = tc.eval_every_epochs * steps_per_epoch(cfg, world_size)
     return dataclasses.replace(cfg, train=tc)
 
 
-def steps_per_epoch(cfg: JobConfig, world_size: int) -> int:
-    """Training steps of one epoch: the split's rows over the global batch."""
-    rows = int(load_manifest(cfg.data.path)["counts"]["rows"]["train"])
-    per_step = cfg.data.loader.batch_size * world_size
-    steps = rows // per_step if cfg.data.loader.drop_last else -(-rows // per_step)
+def steps_per_epoch(cfg: JobConfig, world_size: int, epoch: int = 0) -> int:
+    """Training steps of epoch `epoch`: the batches the loader's plan yields per rank (its
+    batches of each worker's rows, cut to the same count on every rank)."""
+    plan = SequenceDataset(Path(cfg.data.path) / "train", cfg.data.features, cfg.data.loader, rank=0,
+                           world_size=world_size)
+    steps = min(len(plan.schedule(epoch, rank)) for rank in range(world_size))
     if steps < 1:
+        rows = int(load_manifest(cfg.data.path)["counts"]["rows"]["train"])
         raise ValueError(f"train.num_epochs: the training split has {rows} rows, less than one batch "
-                         f"of {per_step} (data.loader.batch_size x ranks)")
+                         f"of {cfg.data.loader.batch_size} per rank (data.loader.batch_size)")
     return steps
 
 

@@ -89,6 +89,29 @@ def test_early_stopping_after_patience(prepared, tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000002", "step-00000006"]
 
 
+def test_epochs_are_the_loaders_epochs_with_several_workers(prepared, tmp_path):
+    """Each loader worker ends its rows with a short batch of its own: N epochs are the
+    loader's batches of N epochs, not the split's rows over the batch size."""
+    import dataclasses
+
+    from genrec.models.train.distributed import init_distributed
+    from genrec.models.train.trainer import Trainer
+
+    cfg = tiny_config(prepared, tmp_path / "run", num_epochs=2, checkpoint_every=1000, eval_every=0, pipeline=False)
+    cfg.data.loader = dataclasses.replace(cfg.data.loader, num_workers=2, batch_size=8)
+    trainer = Trainer(cfg, init_distributed())
+    plan = []
+    for epoch in range(2):
+        trainer.loader.set_epoch(epoch)
+        plan.append(len(trainer.loader))
+    trainer.loader.set_epoch(0)
+    rows = load_manifest(prepared)["counts"]["rows"]["train"]
+    assert sum(plan) != 2 * -(-rows // 8)  # the case the split's row count gets wrong
+    assert trainer.cfg.train.max_steps == sum(plan)
+    assert len(trainer.train()) == sum(plan)
+    assert (trainer.loader.epoch, trainer.loader.batches_done) in ((1, plan[1]), (2, 0))  # two whole epochs
+
+
 def test_validation_scores_at_most_eval_max_users(prepared, tmp_path):
     from genrec.models.train.trainer import run_training
 
