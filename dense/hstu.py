@@ -105,6 +105,8 @@ class HSTUBlock(nn.Module):
                            history_lengths_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`lowpass` of candidates [B, M, H*dv] scored against cached history values."""
         B, H, L, dv = values_BHLd.shape
+        if L == 0:  # no row has history: each candidate's window is itself
+            return v_BMX, v_BMX
         hist_BX = values_BHLd.transpose(1, 2).reshape(B, L, H * dv)
         acc, rows = v_BMX, torch.arange(B, device=v_BMX.device)
         for m in range(1, self.lowpass_window):

@@ -159,7 +159,9 @@ def _bias_tile(bucket, ts_w, pos_w, i0, i1, p):
     Returns (bias [G or 1, bq, K], position index [G or 1, bq, K] or None, time index or None).
     """
     dev = bucket.positions_GN.device
-    dtype = torch.float32 if pos_w is None else pos_w.dtype
+    # At least fp32: the mask value (-1e30) has no fp16 form (a tower cast with .half()).
+    dtype = torch.float32 if pos_w is None else torch.promote_types(pos_w.dtype, torch.float32)
+    pos_w = None if pos_w is None else pos_w.to(dtype)
     if not bucket.has_targets:
         i = torch.arange(i0, i1, device=dev)[:, None]
         d = (i - torch.arange(i1, device=dev)[None, :])[None]
@@ -409,7 +411,7 @@ def mha_reference(q_THd, k_THd, v_THd, layout: JaggedLayout, dropout_p: float) -
     i, j = ar[None, :, None], ar[None, None, :]
     # Padded queries keep their own (zero) key so no softmax row is empty (NaN grads otherwise).
     mask = _visible(i, j, layout.history_lengths_B[:, None, None]) & ((j < layout.lengths_B[:, None, None]) | (i == j))
-    s = s.float().masked_fill(~mask[:, None], float("-inf"))
+    s = s.to(torch.promote_types(s.dtype, torch.float32)).masked_fill(~mask[:, None], float("-inf"))
     a = F.dropout(torch.softmax(s, dim=-1), p=dropout_p)
     out = torch.einsum("bhnm,bmhd->bnhd", a.to(v.dtype), v)
     return out.reshape((B * N,) + out.shape[2:])[layout.padded_index()]

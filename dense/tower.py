@@ -220,7 +220,8 @@ class SequenceTower(nn.Module):
         else:
             s = torch.matmul(q, K_BHLd.transpose(-1, -2)) * layer.attention_dim ** -0.5
             s = s.masked_fill(~valid_BL[:, None, None, :], float("-inf"))
-            attn = torch.matmul(torch.softmax(s.float(), dim=-1).to(V_BHLd.dtype), V_BHLd)
+            attn = torch.matmul(torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)), dim=-1).to(V_BHLd.dtype),
+                                V_BHLd)
         return layer.finish(x_BD, u_BX, attn.reshape(B, H * V_BHLd.shape[-1]))
 
     @torch.no_grad()
@@ -314,7 +315,8 @@ class SequenceTower(nn.Module):
                 # No mask pass over the scores: a padded key's value row is 0 (HistoryCache),
                 # and 1 / n scales the [B, H, M, dv] product instead.
                 if native:  # SiLU(s + bias) in one pass; every row of a user shares its bias row
-                    a_hist = _fused.bias_silu_(s_hist.view(B, -1, L), None if rab is None else rab.view(B, L))
+                    a_hist = _fused.bias_silu_(s_hist.view(B, s_hist.shape[1] * s_hist.shape[2], L),
+                                               None if rab is None else rab.view(B, L))
                     a_hist = a_hist.view(s_hist.shape)
                 else:
                     if rab is not None:
@@ -325,7 +327,7 @@ class SequenceTower(nn.Module):
             else:
                 scale = layer.attention_dim ** -0.5
                 s = torch.cat([s_hist.masked_fill(~valid, float("-inf")), s_self], dim=-1) * scale
-                a = torch.softmax(s.float(), dim=-1)
+                a = torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)), dim=-1)
                 a_hist, a_self = a[..., :L], a[..., L:]
             attn = torch.matmul(a_hist.to(V.dtype), V).to(v.dtype)  # [B, H, M, dv]
             if hist_scale is not None:

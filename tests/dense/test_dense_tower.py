@@ -389,3 +389,49 @@ def test_last_states_with_the_lowpass_branch_and_bad_rows():
         states, cache = empty.encode_history(x[:0], offsets([]), t[:0], last_only=True)
         assert states.shape == (0, D) and empty.last_states(x[:0], offsets([]), t[:0]).shape == (0, D)
         assert all(k.shape[0] == 0 for k in cache.keys)
+
+
+@pytest.mark.parametrize("cfg", [dict(kernel="auto"), dict(kernel="reference", lowpass_mix=0.3, lowpass_window=3),
+                                 dict(kernel="auto", lowpass_mix=0.3)])
+@pytest.mark.parametrize("micro_batch", [None, 1])
+def test_kv_cache_scoring_when_no_row_has_history(cfg, micro_batch):
+    """Cold-start users only: the cache's padded history is 0 long. One candidate per
+    micro-batch takes the shared-time path, whose views must not infer a size from 0 elements."""
+    tower = perturbed(build_tower(small_cfg(**cfg))).eval()
+    cand, cand_ts, cand_len = torch.randn(4, D), torch.tensor([10, 17, 24, 5]), [3, 1]
+    with torch.no_grad():
+        want = tower(cand, offsets(cand_len), cand_ts, torch.tensor(cand_len))
+    _, cache = tower.encode_history(torch.zeros(0, D), offsets([0, 0]), torch.zeros(0, dtype=torch.long))
+    got = tower.score_targets(cache, cand, offsets(cand_len), cand_ts, micro_batch=micro_batch)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_tower_cast_to_fp16_runs_its_fast_kernel():
+    """The chunked kernel's mask (-1e30) has no fp16 form: its bias is built in fp32."""
+    tower = build_tower(small_cfg(kernel="auto"))
+    reference = build_tower(small_cfg(kernel="reference"))
+    reference.load_state_dict(tower.state_dict())
+    values, ts = rows([5, 9, 1])
+    x, o, t = torch.cat(values).half(), offsets([5, 9, 1]), torch.cat(ts)
+    got, want = tower.half()(x, o, t), reference.half()(x, o, t)
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+def test_float64_softmax_attention_keeps_float64():
+    """The softmax of the reference attention, the cache's scoring and last-row attention is
+    computed in at least fp32, not down to it: float64 towers agree to float64 precision."""
+    tower = perturbed(build_tower(small_cfg(kind="transformer", kernel="reference"))).double().eval()
+    hist, hist_ts = rows([6, 3], seed=4)
+    cand, _ = rows([2, 3], seed=5)
+    cand_ts = [h[-1] + torch.arange(n) * 7 for h, n in zip(hist_ts, [2, 3])]
+    full = torch.cat([torch.cat([h, c]) for h, c in zip(hist, cand)]).double()
+    full_ts = torch.cat([torch.cat([h, c]) for h, c in zip(hist_ts, cand_ts)])
+    with torch.no_grad():
+        y = tower(full, offsets([8, 6]), full_ts, torch.tensor([2, 3]))
+        sdpa = build_tower(small_cfg(kind="transformer", kernel="auto")).double().eval()
+        sdpa.load_state_dict(tower.state_dict())
+        torch.testing.assert_close(sdpa(full, offsets([8, 6]), full_ts, torch.tensor([2, 3])), y, rtol=0, atol=1e-12)
+    _, cache = tower.encode_history(torch.cat(hist).double(), offsets([6, 3]), torch.cat(hist_ts))
+    got = tower.score_targets(cache, torch.cat(cand).double(), offsets([2, 3]), torch.cat(cand_ts))
+    torch.testing.assert_close(got, torch.cat([y[6:8], y[11:14]]), rtol=0, atol=1e-12)
