@@ -84,6 +84,15 @@ def batch_ranks(
                         batch.history[model.features.item].values(), batch.history_lengths_B)
 
 
+def empty_batch(features) -> Batch:
+    """An evaluation batch of no users: what a rank that has scored all of its users takes
+    while others still score theirs (the sharded store's lookups are collective)."""
+    z = torch.zeros(0, dtype=torch.int64)
+    history = KeyedJaggedTensor(keys=list(features.sparse), values=z, lengths=z, stride=0)
+    return Batch(user_ids_B=z, history=history, timestamps_T=z, history_lengths_B=z, targets_B=z,
+                 candidate_timestamps_C=z)
+
+
 @torch.no_grad()
 def evaluate_retrieval(
     model: GenerativeRecommender, batches: Iterable[Batch], ks: Sequence[int] = (10, 50, 200),

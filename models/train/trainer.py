@@ -54,7 +54,7 @@ from genrec.models.train.distributed import bind_to_cores, init_distributed, loc
 from genrec.models.train.progress import ProgressLogger
 from genrec.models.train.schedule import build_dense_optimizer, warmup_cosine
 from genrec.models.evaluation.validation import (
-    VALIDATION_KS, VALIDATION_METRICS, evaluate_retrieval, validation_batch_size,
+    VALIDATION_KS, VALIDATION_METRICS, empty_batch, evaluate_retrieval, validation_batch_size,
 )
 
 
@@ -365,11 +365,16 @@ class Trainer:
             batch_size = min(batch_size, -(-max_users // world))
         loader = eval_loader(self.cfg, "valid", rank=self.dist.rank, world_size=world,
                              full_history=True, batch_size=batch_size)
-        max_batches = -(-max_users // (batch_size * world)) if max_users else None
+        mine = len(loader) if not max_users else min(len(loader), -(-max_users // (batch_size * world)))
+        # Every user is scored (no rank's share cut to the smallest): a rank out of users takes
+        # empty batches until the others are done, since the store's lookups are collective.
+        most = int(max(all_reduce_sum([mine if r == self.dist.rank else 0 for r in range(world)])))
+        batches = itertools.chain(itertools.islice(loader, mine),
+                                  itertools.repeat(empty_batch(self.cfg.data.features), most - mine))
         self.model.eval()
         # In fp32, as `genrec eval` scores: the two must agree on the best checkpoint's metric.
         with gathered(self.model):
-            result = evaluate_retrieval(self.model, itertools.islice(loader, max_batches), ks=VALIDATION_KS,
+            result = evaluate_retrieval(self.model, batches, ks=VALIDATION_KS,
                                         window=self.cfg.data.loader.max_seq_len)
         self.model.train()
         return {f"valid/{k}": v for k, v in result.items()}

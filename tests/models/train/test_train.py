@@ -297,7 +297,8 @@ def _run_training(rank: int, world_size: int, port: int, cfg_json: str, result_p
 
 
 def test_train_end_to_end_on_two_ranks(prepared, tmp_path):
-    cfg = tiny_config(prepared, tmp_path / "run", max_steps=6, eval_every=3)
+    # Validation batches of 59 users: the ranks' shares (59 and 60 users) take 1 and 2 batches.
+    cfg = tiny_config(prepared, tmp_path / "run", max_steps=6, eval_every=3, eval_max_users=0, eval_batch_size=59)
     _spawn(_run_training, 2, json.dumps(to_dict(cfg)), str(tmp_path / "losses"))
     # What the run logs is the mean over ranks, not rank 0's own loss.
     r0, r1 = (torch.load(tmp_path / f"losses.{r}")["losses"] for r in range(2))
@@ -310,7 +311,16 @@ def test_train_end_to_end_on_two_ranks(prepared, tmp_path):
         "rank-00000-of-00002", "rank-00001-of-00002"]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 7))
-    assert any("valid/hr@10" in r for r in records)
+    # Every validation user is scored on two ranks, as `genrec eval` scores them in one.
+    from genrec.data.prepare import load_manifest
+    from genrec.models.evaluation.evaluate import run_evaluation
+
+    valid = [r for r in records if "valid/hr@10" in r][-1]
+    assert valid["step"] == 6 and valid["valid/num_users"] == load_manifest(prepared)["counts"]["rows"]["valid"]
+    run_evaluation(ckpt, prepared, "valid", out_dir=tmp_path / "report")
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    for name in ("hr@10", "ndcg@10", "mrr"):
+        assert valid[f"valid/{name}"] == pytest.approx(report[f"retrieval.{name}"], abs=1e-6), name
 
 
 def test_deterministic_mode_keeps_new_tensors_unfilled():
