@@ -11,8 +11,9 @@ need the same thing they keep a short copy that says so.
 
 The overwrite rule: an output folder may be absent or empty; a non-empty one is replaced
 only with `overwrite`, and only when it holds a genrec output of the same kind (its
-manifest, with the same format). Anything else is refused, naming the path, so that
-`--overwrite` never deletes what genrec did not write.
+manifest, with the same format) and, where the manifest lists its files, nothing else (a
+user's notes, or the very input being converted). Anything else is refused, naming the
+path, so that `--overwrite` never deletes what genrec did not write.
 """
 
 from __future__ import annotations
@@ -103,7 +104,27 @@ def claim_output_dir(out_dir: str | os.PathLike, *, overwrite: bool, manifest: s
     if not holds_output(out, manifest, format):
         raise OutputExistsError(f"refusing to replace {out}: it is not a genrec output of this kind (no {kind} in it); "
                          "remove it yourself or choose another output")
+    foreign = _unlisted_files(out, manifest)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise OutputExistsError(f"refusing to replace {out}: it holds files its {manifest} does not list ({shown}), "
+                                "which replacing it would delete; move them away or choose another output")
     return out
+
+
+def _unlisted_files(out: Path, manifest: str) -> list[str]:
+    """Files under `out` that its manifest's file list (`files` or `outputs`: names, or a
+    mapping by name) does not name, the manifest aside; none to check where it lists none."""
+    meta = json.loads((out / manifest).read_text())
+    listed: set[str] = set()
+    for key in ("files", "outputs"):
+        value = meta.get(key)
+        if isinstance(value, (dict, list)):
+            listed.update(str(name) for name in value)
+    if not listed:
+        return []
+    present = (p.relative_to(out).as_posix() for p in out.rglob("*") if not p.is_dir())
+    return sorted(name for name in present if name not in listed and name != manifest)
 
 
 def staging_dir(out: Path) -> Path:

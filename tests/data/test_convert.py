@@ -215,6 +215,12 @@ def test_existing_output_dir(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, "part-00000.parquet"]
     assert (out / "part-00000.parquet").read_bytes() != b"stale"
     _assert_clean(tmp_path, ["good.txt", "out"])
+    # Nor does it delete a file its manifest does not list, such as the input being converted.
+    inside = out / "good.txt"
+    inside.write_text("1 2\n")
+    with pytest.raises(ValueError, match=r"does not list \(good.txt\)"):
+        convert("sasrec-txt", [inside], out, overwrite=True, progress=False)
+    assert inside.read_text() == "1 2\n"
 
 
 def test_hex_parsing_matches_python_and_rejects_non_hex():

@@ -184,9 +184,14 @@ def test_existing_output_needs_overwrite(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     (out / "keep.txt").unlink()
     synthesize(out, **kw)
-    (out / "stale.txt").write_text("x")
+    # A synth output with a file of the user's in it: replacing the folder would delete it.
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"does not list \(notes.txt\)"):
+        synthesize(out, overwrite=True, **kw)
+    assert (out / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").unlink()
     synthesize(out, overwrite=True, **kw)
-    assert not (out / "stale.txt").exists() and (out / MANIFEST_NAME).exists()
+    assert (out / MANIFEST_NAME).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     # An existing empty folder is fine without overwrite.
     empty = tmp_path / "empty"
