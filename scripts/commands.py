@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def synth(args: argparse.Namespace) -> int:
@@ -38,10 +39,14 @@ def prepare(args: argparse.Namespace) -> int:
     logs = args.logs
     if args.source is not None:
         from genrec.data.convert import convert as convert_dataset
+        from genrec.data.files import claim_output_dir
+        from genrec.data.prepare import FORMAT_VERSION, MANIFEST
 
         if not args.inputs:
             raise ValueError("--from needs --input FILE [FILE ...]")
-        logs = f"{args.out}.logs"
+        out = Path(args.out)
+        claim_output_dir(out, overwrite=args.overwrite, manifest=MANIFEST, format=FORMAT_VERSION)  # before converting
+        logs = out.with_name(out.name + ".logs")  # beside it (a trailing slash in --out made it DIR/.logs)
         convert_dataset(args.source, args.inputs, logs, overwrite=args.overwrite)
     pc = cfg.data.prepare
     manifest = prepare_sequences(

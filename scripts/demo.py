@@ -31,13 +31,14 @@ def run_demo(out: str | Path, *, overwrite: bool = False, steps: int | None = No
     from genrec.models.train.trainer import run_training
 
     out = claim_output_dir(out, overwrite=overwrite, manifest=DEMO_MANIFEST)
-    if out.exists():
-        shutil.rmtree(out)  # empty, or a demo folder (its manifest says so)
-    overrides = [f'data.path="{out / "data"}"', f'train.out_dir="{out / "run"}"']
+    # Paths as TOML strings (json.dumps escapes a backslash or a quote in --out).
+    overrides = [f"data.path={json.dumps(str(out / 'data'))}", f"train.out_dir={json.dumps(str(out / 'run'))}"]
     if steps is not None:
         overrides += [f"train.max_steps={steps}", f"train.checkpoint_every={max(steps // 2, 1)}"]
-    cfg = load_config(JobConfig, CONFIG, overrides)
+    cfg = load_config(JobConfig, CONFIG, overrides)  # a bad --steps is refused before anything is removed
     steps = cfg.train.max_steps
+    if out.exists():
+        shutil.rmtree(out)  # empty, or a demo folder (its manifest says so)
     atomic_write_json(out / DEMO_MANIFEST, {"format": "genrec.demo/1", "steps": steps})
 
     _say("1/6 synthesize an ad log (3,000 users, 5,000 ads, 300,000 impressions)")

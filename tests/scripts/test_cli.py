@@ -37,11 +37,30 @@ def test_synth_then_prepare_with_config_overrides(tmp_path):
 
 
 def test_prepare_from_movielens(tmp_path):
-    result = genrec("prepare", "--from", "movielens", "--input", str(ML100K), "--out", str(tmp_path / "ml"),
+    # A trailing slash in --out: the converted log goes beside the output (ml.logs), not into it.
+    result = genrec("prepare", "--from", "movielens", "--input", str(ML100K), "--out", str(tmp_path / "ml") + "/",
                     "--config", str(ROOT / "configs" / "ml100k.toml"))
     assert result.returncode == 0, result.stderr
     counts = json.loads((tmp_path / "ml" / "manifest.json").read_text())["counts"]
     assert counts["users"] == 943 and counts["items"] <= 1682
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ml", "ml.logs"]
+    # An output that prepare would refuse is refused before anything is converted.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    result = genrec("prepare", "--from", "movielens", "--input", str(ML100K), "--out", str(other),
+                    "--config", str(ROOT / "configs" / "ml100k.toml"))
+    assert result.returncode == 1 and "not empty" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ml", "ml.logs", "other"]
+
+
+def test_demo_checks_its_settings_before_replacing_a_demo(tmp_path):
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    (demo / "demo_manifest.json").write_text(json.dumps({"format": "genrec.demo/1", "steps": 1}))
+    result = genrec("demo", "--out", str(demo), "--overwrite", "--steps", "0")
+    assert result.returncode == 1 and "train.max_steps" in result.stderr
+    assert (demo / "demo_manifest.json").exists()  # the previous demo is still there
 
 
 def test_user_errors_exit_nonzero_naming_what_is_wrong(tmp_path):
