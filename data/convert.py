@@ -205,9 +205,10 @@ def _merge_distinct(distinct: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 
 def _open_text(path: Path):
+    # utf-8-sig: a byte-order mark is not part of the first line's first id.
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8", errors="strict", newline=None)
-    return open(path, "r", encoding="utf-8", errors="strict", newline=None)
+        return gzip.open(path, "rt", encoding="utf-8-sig", errors="strict", newline=None)
+    return open(path, "r", encoding="utf-8-sig", errors="strict", newline=None)
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -226,7 +227,7 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
 
 def _id(token: str) -> int:
     """A base-10 int64 token stays itself; anything else is a string id and is hashed."""
-    if token.lstrip("-").isdigit() and token.isascii():
+    if token.isascii() and (token[1:] if token.startswith("-") else token).isdigit():  # "--5" is a string id
         value = int(token)
         if -_INT64_MAX - 1 <= value <= _INT64_MAX:
             return value
@@ -344,11 +345,14 @@ def _criteo_line_error(path: Path) -> ValueError:
 
 
 def _raw_lines(path: Path) -> Iterator[tuple[int, str]]:
-    with _open_text(path) as f:
-        for number, line in enumerate(f, 1):
-            line = line.rstrip("\r\n")
-            if line.strip():
-                yield number, line
+    try:
+        with _open_text(path) as f:
+            for number, line in enumerate(f, 1):
+                line = line.rstrip("\r\n")
+                if line.strip():
+                    yield number, line
+    except UnicodeDecodeError as e:
+        raise ValueError(f"convert: input file {path} is not UTF-8 text ({e})") from None
 
 
 def _criteo_batches(path: Path) -> Iterator[pa.RecordBatch]:
@@ -364,6 +368,8 @@ def _criteo_batches(path: Path) -> Iterator[pa.RecordBatch]:
         yield from reader
     except (pa.ArrowInvalid, UnicodeDecodeError):
         raise _criteo_line_error(path) from None
+    except (OSError, EOFError) as e:  # a corrupt or truncated compressed file
+        raise ValueError(f"convert: cannot read input file {path}: {e}") from None
 
 
 def _convert_criteo(paths: list[Path], sink: _Sink, user_column: str | None, item_column: str) -> None:

@@ -233,3 +233,27 @@ def test_hex_parsing_matches_python_and_rejects_non_hex():
     # Bytes next to the hex ranges, and control bytes that alias digits under `| 0x20`.
     for bad in ["0000000g", "0000:000", "0000/000", "0000@000", "0000`000", "0000G000", "0000\x10000"]:
         assert _hex8_to_int64(pa.array([bad])) is None, repr(bad)
+
+
+def test_a_byte_order_mark_and_odd_tokens_are_read_as_written(tmp_path):
+    """A UTF-8 BOM is not part of the first id (it made a phantom user); "--5" is a string
+    id, hashed as the docstring says (it passed the digit test and crashed int())."""
+    bom = tmp_path / "bom.data"
+    bom.write_bytes("\ufeff196\t242\t3\t881250949\n196\t302\t3\t881250950\n".encode("utf-8"))
+    convert("movielens", [bom], tmp_path / "a", progress=False)
+    assert _read(tmp_path / "a").column("user_id").to_pylist() == [196, 196]
+    odd = _write(tmp_path / "odd.data", "--5\t242\t3\t881250949\n-7\t302\t3\t881250950\n")
+    convert("movielens", [odd], tmp_path / "b", progress=False)
+    assert sorted(_read(tmp_path / "b").column("user_id").to_pylist()) == sorted([hash_string_id("--5"), -7])
+
+
+def test_a_corrupt_compressed_input_names_the_file(tmp_path):
+    bad = tmp_path / "bad.csv.gz"
+    bad.write_bytes(b"this is not gzip data at all")
+    with pytest.raises(ValueError, match=r"cannot read input file .*bad\.csv\.gz"):
+        convert("criteo", [bad], tmp_path / "out", progress=False)
+    cut = tmp_path / "cut.data.gz"
+    whole = gzip.compress("".join(f"{i}\t{i * 7 % 1000}\t3\t{881250949 + i}\n" for i in range(5000)).encode())
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"cannot read input file .*cut\.data\.gz"):
+        convert("movielens", [cut], tmp_path / "out2", progress=False)
