@@ -105,8 +105,8 @@ class _AveragedRowGrads(nn.Module):
     def forward(self, kjt):
         return self._scaled(self.store(kjt))
 
-    def lookup_many(self, kjts):
-        return [self._scaled(rows) for rows in self.store.lookup_many(kjts)]
+    def lookup_many(self, kjts, replicated=None):
+        return [self._scaled(rows) for rows in self.store.lookup_many(kjts, replicated)]
 
     def _scaled(self, rows: dict) -> dict:
         return {key: JaggedTensor(values=_ScaleGrad.apply(jt.values(), self.scale), lengths=jt.lengths(),

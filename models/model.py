@@ -226,12 +226,13 @@ class GenerativeRecommender(nn.Module):
 
     # ---- tokens -------------------------------------------------------------------------
 
-    def _lookup(self, kjts: list[KeyedJaggedTensor]) -> list[dict]:
+    def _lookup(self, kjts: list[KeyedJaggedTensor], replicated: list[bool] | None = None) -> list[dict]:
         """Embedding rows of several KJTs; the sharded store looks them all up in one exchange
-        (`lookup_many`), any other module one by one."""
+        (`lookup_many`; `replicated` marks KJTs every rank passes alike), any other module one
+        by one."""
         with record_function("genrec.sparse_forward"):  # a range for `genrec profile`
             many = getattr(self.embeddings, "lookup_many", None)
-            return many(kjts) if many is not None else [self.embeddings(k) for k in kjts]
+            return many(kjts, replicated) if many is not None else [self.embeddings(k) for k in kjts]
 
     def _combine(self, embedded: dict, keys: list[str], which: str) -> torch.Tensor:
         """One token per event from its features' rows (`model.token_combine`)."""
@@ -266,9 +267,10 @@ class GenerativeRecommender(nn.Module):
             lengths=torch.ones(item_ids.shape[0], dtype=torch.int32, device=item_ids.device),
         )
 
-    def item_rows(self, item_ids: torch.Tensor) -> torch.Tensor:
-        """Embedding rows of `item_ids` from the item feature's table: [N, D]."""
-        return self.embeddings(self._items_kjt(item_ids))[self.features.item].values()
+    def item_rows(self, item_ids: torch.Tensor, replicated: bool = False) -> torch.Tensor:
+        """Embedding rows of `item_ids` from the item feature's table: [N, D]. `replicated`:
+        every rank looks up the same ids (see `TieredEmbeddingCollection.lookup_many`)."""
+        return self._lookup([self._items_kjt(item_ids)], [replicated])[0][self.features.item].values()
 
     def _history_states(self, batch: Batch, tokens_TD: torch.Tensor) -> torch.Tensor:
         with record_function("genrec.tower"):
@@ -286,9 +288,9 @@ class GenerativeRecommender(nn.Module):
         batch's: one exchange of the sharded store instead of two (each is a few all-to-alls,
         about a millisecond apiece between two CPU ranks)."""
         kjts = [batch.history] + ([] if batch.candidates is None else [self._candidate_kjt(batch.candidates)])
-        if extra_item_ids is not None:
+        if extra_item_ids is not None:  # the corpus of a full softmax: the same on every rank
             kjts.append(self._items_kjt(extra_item_ids))
-        embedded = self._lookup(kjts)
+        embedded = self._lookup(kjts, [False] * (len(kjts) - 1) + [extra_item_ids is not None])
         extra_ND = None if extra_item_ids is None else embedded[-1][self.features.item].values()
         tokens_TD = self._combine(embedded[0], self.features.sparse, "history")
         item_rows_TD = embedded[0][self.features.item].values()
@@ -346,7 +348,9 @@ class GenerativeRecommender(nn.Module):
         if corpus_rows_ND is not None and cfg.negatives == "full":
             neg_rows = corpus_rows_ND
         else:
-            neg_rows = self.item_rows(neg_ids) if neg_ids.numel() else states_TD.new_zeros(0, self.dim)
+            # Shared negatives: every rank draws the same (one seed); per position: its own.
+            neg_rows = (self.item_rows(neg_ids, replicated=cfg.negatives == "shared") if neg_ids.numel()
+                        else states_TD.new_zeros(0, self.dim))
         if P == 0:
             return (neg_rows.sum() + states_TD.sum() + item_rows_TD.sum()) * 0.0
         query = vec(states_TD[src])

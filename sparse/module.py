@@ -426,16 +426,22 @@ class TieredEmbeddingCollection(nn.Module):
             self.set_event_time(event_time)
         return self._lookup([kjt])[0]
 
-    def lookup_many(self, kjts: list[KeyedJaggedTensor]) -> list[dict[str, JaggedTensor]]:
+    def lookup_many(self, kjts: list[KeyedJaggedTensor], replicated: list[bool] | None = None
+                    ) -> list[dict[str, JaggedTensor]]:
         """`forward` of several KJTs (e.g. a batch's histories and its candidates): with
         several ranks every table of every KJT shares one exchange, so a training step makes
         one set of collectives instead of one per KJT (every rank must pass KJTs with the
-        same keys, in the same order); on one rank, exactly `forward` of each in turn."""
+        same keys, in the same order); on one rank, exactly `forward` of each in turn.
+
+        `replicated[i]`: KJT i is the same on every rank (negatives every rank draws alike,
+        the corpus of a full softmax): its ids are sighted once, by rank 0, so admission and
+        LFU counts grow as on one rank rather than once per rank."""
         if self.world_size == 1:
             return [self._lookup([kjt])[0] for kjt in kjts]
-        return self._lookup(kjts)
+        return self._lookup(kjts, replicated)
 
-    def _lookup(self, kjts: list[KeyedJaggedTensor]) -> list[dict[str, JaggedTensor]]:
+    def _lookup(self, kjts: list[KeyedJaggedTensor], replicated: list[bool] | None = None
+                ) -> list[dict[str, JaggedTensor]]:
         self.finish_row_updates()
         train = self.training and torch.is_grad_enabled()
         now = self.event_time
@@ -445,7 +451,9 @@ class TieredEmbeddingCollection(nn.Module):
             # Backward applies the KJTs' rows last KJT first, as autograd runs separate lookups
             # (the later node first): rows in two KJTs get the same optimizer steps either way.
             order = sorted(range(len(entries)), key=lambda e: (-entries[e][0], e))
-            calls, values = self._grouped_lookup([(name, feats) for _, name, feats in entries], train, now, order)
+            uncounted = [bool(replicated and replicated[i]) and self.rank != 0 for i, _, _ in entries]
+            calls, values = self._grouped_lookup([(name, feats) for _, name, feats in entries], train, now, order,
+                                                 uncounted)
         else:
             for _, name, feats in entries:
                 call, vals = self._local_lookup(self.stores[name], self._table_ids(feats), train, now)
@@ -481,12 +489,15 @@ class TieredEmbeddingCollection(nn.Module):
         parts = [jt.values() for _, jt in feats]
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(torch.int64).cpu()
 
-    def _grouped_lookup(self, tables, train: bool, now: int | None, apply_order: list[int]):
+    def _grouped_lookup(self, tables, train: bool, now: int | None, apply_order: list[int],
+                        uncounted: list[bool]):
         """Several ranks: every table of the lookup through one _GroupExchange. Returns the
-        per-table calls (for _FusedLookup) and rows of this rank's unique ids."""
+        per-table calls (for _FusedLookup) and rows of this rank's unique ids. `uncounted[t]`:
+        entry t's sightings count 0 here (a replicated KJT, counted on rank 0)."""
         stores = [self.stores[name] for name, _ in tables]
         uniq, inverse, counts = zip(*(torch.unique(self._table_ids(feats), return_inverse=True, return_counts=True)
                                       for _, feats in tables))
+        counts = [c.zero_() if zero else c for c, zero in zip(counts, uncounted)]
         capacity = self._capacity.setdefault(tuple(k for _, feats in tables for k, _ in feats), _Capacity())
         ex = _GroupExchange(list(uniq), list(counts), [s.dim for s in stores], self.group, capacity)
         admitted, locations = [], []

@@ -256,14 +256,20 @@ def _spawn(fn, world_size: int, *args) -> None:
     mp.start_processes(fn, args=(world_size, _free_port(), *args), nprocs=world_size, join=True, start_method="spawn")
 
 
-@pytest.mark.parametrize("negatives", ["shared", "full"])
-def test_two_ranks_equal_one_rank_on_the_same_global_batch(prepared, tmp_path, negatives):
+@pytest.mark.parametrize("negatives,admit_min_count", [("shared", 1), ("full", 1), ("shared", 2), ("full", 2)])
+def test_two_ranks_equal_one_rank_on_the_same_global_batch(prepared, tmp_path, negatives, admit_min_count):
+    """With admission, every rank's lookup of the negatives all ranks draw alike (or of the
+    full corpus) must count as one sighting, as on one rank, not one per rank."""
     cfg = tiny_config(prepared, tmp_path / "one")
     cfg.model.negatives = negatives
+    for t in cfg.sparse.tables:
+        t.admit_min_count = admit_min_count
     result = str(tmp_path / "result")
     _spawn(_train_on, 1, json.dumps(to_dict(cfg)), result + "1")
     cfg2 = tiny_config(prepared, tmp_path / "two")
     cfg2.model.negatives = negatives
+    for t in cfg2.sparse.tables:
+        t.admit_min_count = admit_min_count
     _spawn(_train_on, 2, json.dumps(to_dict(cfg2)), result + "2")
     one = torch.load(result + "1.0")
     r0, r1 = torch.load(result + "2.0"), torch.load(result + "2.1")
