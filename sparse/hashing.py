@@ -56,6 +56,19 @@ def uniform01(seed: int, ids_N: torch.Tensor, num_columns: int) -> torch.Tensor:
     return bits_NK.to(torch.float64) * (1.0 / (1 << 53))
 
 
+LFU_FREQ_BITS = 22
+
+
+def lfu_score(freq_N: torch.Tensor, last_access_N: torch.Tensor) -> torch.Tensor:
+    """LFU's eviction score (lower leaves first): the count above the last access in one
+    int64, the count saturated at 2^22 - 1 (more sightings rank level, then by last access)
+    and the last access at 2^41 - 1, so that the sum never wraps (a wrapped score put the
+    most used row first in line). As csrc/store.c's lfu_score."""
+    last_bits = 63 - LFU_FREQ_BITS
+    return (freq_N.clamp(max=(1 << LFU_FREQ_BITS) - 1) * (1 << last_bits)
+            + last_access_N.clamp(max=(1 << last_bits) - 1))
+
+
 def rank_order(score_N: torch.Tensor, ids_N: torch.Tensor) -> torch.Tensor:
     """Permutation sorting by (score, id) ascending: with unique ids a total order that
     any process rebuilds from the same rows, whatever their slots."""

@@ -1,10 +1,9 @@
 """One table's rows on one rank: id index, admission, three tiers, eviction, TTL, updates.
 
-Tiers are exclusive: a materialized row lives in exactly one of device (tier 0), host
-(tier 1) or SSD (tier 2), and the id index maps id -> (slot << 2 | tier). A training
-lookup brings every row of the batch up to the device tier (up to its capacity),
-pushing the policy's worst rows down one tier (a host eviction writes the row back to
-the SSD tier). Rows of the current lookup are never chosen as cache victims.
+Tiers are exclusive: a row lives in one of device (tier 0), host (1) or SSD (2); the id index
+maps id -> (slot << 2 | tier). A training lookup brings the batch's rows up to the device tier
+(up to its capacity), pushing the policy's worst rows down one tier (a host eviction writes
+the row back to SSD). Rows of the current lookup are never chosen as cache victims.
 
 A training step is every forward since the last backward (a model looks up history, then
 negatives, then runs one backward): rows looked up in any forward of the open step are
@@ -14,18 +13,17 @@ gradients. Every choice of rows that changes values (max_rows and TTL drops) ord
 the original would. Which rows leave a cache (device -> host -> SSD) changes only where
 rows sit: the native kernels pick them by CLOCK, the reference by exact policy order.
 
-Kernels. kernels="native" runs the index, the fused lookup (dedup + locate + touch +
-gather in one call), the fused optimizer step, CLOCK victims and the TTL sweep in C
-(csrc/store.c, through native.py); kernels="reference" runs the same steps in PyTorch.
-Both give the same rows, state and metadata bit for bit (tests/sparse/test_sparse_native.py).
+Kernels. kernels="native" runs the index, the fused lookup (dedup + locate + touch + gather),
+the fused optimizer step, CLOCK victims and the TTL sweep in C (csrc/store.c via native.py);
+"reference" the same steps in PyTorch, bit for bit alike (tests/sparse/test_sparse_native.py).
 
-Index memory at scale (native). An entry is 8 bytes (22 fingerprint bits + location) in
-256 independently growing segments kept 68-85% full while a table grows (60% while it
-churns): 9.4-13.3 bytes per row, measured 10.3 on 500K rows (`genrec bench sparse`); a
-rebuild holds one segment twice. 1B rows on a rank: about 11 GB of index in DRAM, beside
-8 GB of id slabs and 24 GB of metadata that live with the rows in their tier (SSD rows: in
-mapped files). A lookup confirms a fingerprint match against the id slab (an SSD id: a page
-read, read ahead); locations have 40 slot bits per tier (10^12 rows).
+Index memory at scale (native). An entry is 8 bytes (22 fingerprint bits + location) in 256
+independently growing segments kept 68-85% full while a table grows (60% while it churns):
+9.4-13.3 bytes per row, measured 10.3 on 500K rows (`genrec bench sparse`); a rebuild holds
+one segment twice. 1B rows on a rank: about 11 GB of index in DRAM, beside 8 GB of id slabs
+and 24 GB of metadata that live with the rows in their tier (SSD rows: in mapped files). A
+lookup confirms a fingerprint match against the id slab (an SSD id: a page read, read
+ahead); locations have 40 slot bits per tier (10^12 rows).
 
 Legend: U = unique ids in a call, W = packed row width (values + optimizer state).
 """
@@ -40,12 +38,8 @@ import torch
 from . import native, optim
 from .admission import PendingCounters
 from .config import TableConfig
-from .hashing import ReferenceIndex, lowest_k, rank_order
+from .hashing import ReferenceIndex, lfu_score, lowest_k, rank_order
 from .tiers import META_FREQ, META_LAST_ACCESS, META_LAST_UPDATE, NUM_META, Tier
-
-LFU_FREQ_BITS = 22
-"""LFU ranks rows by (count, last access) packed in one int64: the count saturates at
-2^22 - 1 (more sightings rank level, then by last access), the last access at 2^41 - 1."""
 
 
 class _FusedGrad:
@@ -85,8 +79,8 @@ class TableStore:
         self.keep_host_hits = device.type == "cpu"
         self.kernels = kernels
         self.native = kernels == "native"
-        # The native row kernels read and write tier memory directly: CPU tiers only. On
-        # CUDA the device tier's rows go through PyTorch (the index stays native).
+        # Native row kernels read and write tier memory directly: CPU tiers only (on CUDA the
+        # device tier's rows go through PyTorch; the index stays native).
         self.native_rows = self.native and device.type == "cpu"
         self.index = native.NativeIndex() if self.native else ReferenceIndex()
         if not self.native:
@@ -103,8 +97,8 @@ class TableStore:
         self.version = 0  # bumped whenever any row changes tier or slot, and by every optimizer step
         self.moves = 0  # bumped whenever any row changes tier or slot (a native location's validity)
         self.last_locations = self.last_sweep = None
-        # Since the last snapshot saved or loaded (for deltas): its lookup count, and the ids
-        # removed after it while track_removals (given up, None, past a table's worth).
+        # Since the last snapshot saved or loaded (deltas): its lookup count, and the ids removed
+        # after it while track_removals (given up, None, past a table's worth).
         self.snapshot_step, self.track_removals, self._removed_count = 0, False, 0
         self.removed_since_snapshot: list[torch.Tensor] | None = []
         self.hits = torch.zeros(3, dtype=torch.int64)  # unique ids served per tier (the native lookup adds in place)
@@ -153,11 +147,7 @@ class TableStore:
     def _score(self, meta_N3: torch.Tensor) -> torch.Tensor:
         """Eviction priority: lower leaves first."""
         if self.cfg.cache_policy == "lfu":
-            # The count above the last access, each saturated so that the sum never wraps
-            # (a wrapped score put the most used row first in line); as csrc/store.c's.
-            last_bits = 63 - LFU_FREQ_BITS
-            return (meta_N3[:, META_FREQ].clamp(max=(1 << LFU_FREQ_BITS) - 1) * (1 << last_bits)
-                    + meta_N3[:, META_LAST_ACCESS].clamp(max=(1 << last_bits) - 1))
+            return lfu_score(meta_N3[:, META_FREQ], meta_N3[:, META_LAST_ACCESS])
         return meta_N3[:, META_LAST_ACCESS]
 
     def _open_from(self) -> int:
@@ -194,9 +184,9 @@ class TableStore:
             free = tier.num_free()
             if n > free:
                 # Evict beyond the need (a low watermark): 1/32 of the tier for the reference's
-                # O(capacity) search, so it runs every few steps; 1/256 for CLOCK, whose rows then
-                # go to SSD slots freed a step or two ago, on pages still cached (at 1/32 a host
-                # eviction read 35 MB of cold pages at `genrec bench sparse` full size).
+                # O(capacity) search, so it runs every few steps; 1/256 for CLOCK, whose rows go to
+                # SSD slots freed a step or two ago, pages still cached (at 1/32 a host eviction
+                # read 35 MB of cold pages at `genrec bench sparse` full size).
                 victims = self._victims(t, n - free + tier.capacity // (256 if self.native else 32))
                 if victims.numel():
                     v_ids = tier.ids.gather(victims).squeeze(1)
@@ -224,8 +214,7 @@ class TableStore:
         self._set_loc(ids_N, slots_N, t)
 
     def _top_tier(self) -> int:
-        # A zero-capacity device tier is skipped, so host-resident rows are not copied out
-        # and back every step.
+        # A zero-capacity device tier is skipped: host rows are not copied out and back each step.
         return 0 if self.tiers[0].capacity else 1
 
     def _promote(self, ids_P, tier_P, slot_P, rows_PW, meta_P3) -> None:
@@ -272,8 +261,7 @@ class TableStore:
         cap = self.cfg.max_rows
         if cap is None or self.num_rows <= cap:
             return
-        # Drop a little below the cap (1/64 of it) so that a full table does not rescan
-        # every tier on every step.
+        # Drop a little below the cap (1/64 of it): a full table does not rescan every tier each step.
         excess = self.num_rows - cap + cap // 64
         if self.native:  # one scan with a heap of `excess` rows, no table-sized temporaries
             loc_K, ids_K = native.lowest_rows(self._tier_view(), excess, self.cfg.cache_policy == "lfu",
@@ -426,14 +414,17 @@ class TableStore:
             here = (stay & (tier_A == t)).nonzero().squeeze(1)
             if here.numel():
                 self.tiers[t].meta.scatter(slot_U[ws[here]], meta_A3[here])
-                if self.native:  # the reference picks victims by exact order, not CLOCK
-                    slots = slot_U[ws[here]]
-                    ref = self.clock_ref[t][slots].long() + counts_U[ws[here]]
-                    self.clock_ref[t][slots] = ref.clamp(max=self.clock_max).to(torch.uint8)
+                self._referenced(t, slot_U[ws[here]], counts_U[ws[here]])
         up = (~stay).nonzero().squeeze(1)
         self._promote(ids_U[ws[up]], tier_A[up], slot_U[ws[up]], rows_AW[up.to(self.device)], meta_A3[up])
         self._enforce_max_rows()
         return values_UD, admitted_U
+
+    def _referenced(self, t: int, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        """CLOCK's reference counts of rows read in place, as the native lookup bumps them."""
+        if self.native:
+            ref = self.clock_ref[t][slots].long() + counts
+            self.clock_ref[t][slots] = ref.clamp(max=self.clock_max).to(torch.uint8)
 
     def _lookup_resident(self, ids_U, counts_U, slot_U, top: int):
         """Fast path: every id already has a row in the top tier and no TTL applies, so
@@ -442,9 +433,7 @@ class TableStore:
         meta_C3 = tier.meta.slabs[0]
         meta_C3[:, META_LAST_ACCESS].index_fill_(0, slot_U, self.step)
         meta_C3[:, META_FREQ].index_add_(0, slot_U, counts_U)
-        if self.native:  # CLOCK's reference counts, as the moving path and the native lookup bump them
-            ref = self.clock_ref[top][slot_U].long() + counts_U
-            self.clock_ref[top][slot_U] = ref.clamp(max=self.clock_max).to(torch.uint8)
+        self._referenced(top, slot_U, counts_U)
         self.hits[top] += int(ids_U.numel())
         rows_UW = tier.rows.slabs[0].index_select(0, slot_U.to(tier.rows.slabs[0].device))
         # If no row moves or changes before this call's backward (same version), the
