@@ -125,6 +125,10 @@ class Trainer:
         self.cfg = cfg
         self.dist = dist_info
         tc = cfg.train
+        if tc.precision == "fp16" and dist_info.device.type == "cuda":
+            raise ValueError("train.precision = 'fp16' needs loss scaling, and the sparse store steps its rows inside "
+                             "backward, on the scaled gradients, with no way to skip a step that overflowed: use "
+                             "'bf16' (what 'auto' chooses on CUDA)")
         if tc.best_metric is not None and tc.best_metric not in VALIDATION_METRICS:
             raise ValueError(f"train.best_metric {tc.best_metric!r} is not computed by validation; "
                              f"choose one of {list(VALIDATION_METRICS)} or none")
@@ -231,8 +235,15 @@ class Trainer:
     def train_step(self, batch) -> dict[str, float]:
         self.model.train()
         batch = batch.to(self.dist.device, non_blocking=True)
-        if batch.num_tokens:
-            self.store.set_event_time(int(batch.timestamps_T.max()))  # TTL runs on event time
+        now = int(batch.timestamps_T.max()) if batch.num_tokens else None  # TTL runs on event time
+        if self.dist.world_size > 1 and any(t.ttl_seconds for t in self.cfg.sparse.tables):
+            # One clock for every owner, the global batch's (as on one rank): a rank's own half
+            # stamped and expired the rows it owns for every rank at its own time.
+            t = torch.tensor([-(1 << 62) if now is None else now], dtype=torch.int64, device=self.dist.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            now = None if int(t) == -(1 << 62) else int(t)
+        if now is not None:
+            self.store.set_event_time(now)
         with self._autocast():
             loss, parts = self.model(batch)
         with record_function("genrec.backward"):  # the store's fused sparse update runs in here

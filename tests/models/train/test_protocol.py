@@ -122,6 +122,17 @@ def test_validation_scores_at_most_eval_max_users(prepared, tmp_path):
     assert [r["valid/num_users"] for r in _records(run) if "valid/num_users" in r] == [16]
 
 
+def test_fp16_on_cuda_is_refused_naming_the_key(prepared, tmp_path):
+    """fp16 needs loss scaling, and the sparse store would step its rows on the scaled
+    gradients inside backward (65,536x too large, and on steps the scaler skips)."""
+    from genrec.models.ranks import single_process
+    from genrec.models.train.trainer import Trainer
+
+    with pytest.raises(ValueError, match="train.precision = 'fp16'.*'bf16'"):
+        Trainer(tiny_config(prepared, tmp_path / "run", precision="fp16"), single_process("cuda"))
+    assert not (tmp_path / "run").exists()
+
+
 def test_unknown_best_metric_is_an_error_naming_the_key(prepared, tmp_path):
     from genrec.models.train.trainer import run_training
 

@@ -3,6 +3,7 @@ seeded points (inside checkpoint writes too), 2 gloo ranks equal to 1 rank on th
 global batch, and an end-to-end 2-rank run."""
 
 import builtins
+import dataclasses
 import json
 import os
 import random
@@ -184,7 +185,17 @@ def _cut_jt(jt: JaggedTensor, rows: slice) -> JaggedTensor:
     return JaggedTensor(values=jt.values()[int(off[rows.start]) : int(off[rows.stop])], lengths=jt.lengths()[rows])
 
 
-def _train_on(rank: int, world_size: int, port: int, cfg_json: str, result_path: str) -> None:
+def _later(batch: Batch, users: slice, seconds: int) -> Batch:
+    """`batch` with the events of `users` `seconds` later."""
+    hist_off = batch.history_offsets_B1
+    cand_off = torch.ops.fbgemm.asynchronous_complete_cumsum(batch.candidates.lengths()[: batch.batch_size])
+    ts, cts = batch.timestamps_T.clone(), batch.candidate_timestamps_C.clone()
+    ts[int(hist_off[users.start]) : int(hist_off[users.stop])] += seconds
+    cts[int(cand_off[users.start]) : int(cand_off[users.stop])] += seconds
+    return dataclasses.replace(batch, timestamps_T=ts, candidate_timestamps_C=cts)
+
+
+def _train_on(rank: int, world_size: int, port: int, cfg_json: str, result_path: str, later_s: int = 0) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -203,7 +214,9 @@ def _train_on(rank: int, world_size: int, port: int, cfg_json: str, result_path:
 
     torch.distributed.all_to_all_single = counted
     losses = []
-    for batch in _equal_length_batches(cfg, 3):
+    for step, batch in enumerate(_equal_length_batches(cfg, 3)):
+        if later_s:  # the first step's first half (rank 0's users) later, then everyone
+            batch = _later(batch, slice(0, batch.batch_size // (1 if step else 2)), later_s)
         if world_size > 1:
             half = batch.batch_size // world_size
             batch = _take_rows(batch, slice(rank * half, (rank + 1) * half))
@@ -256,21 +269,22 @@ def _spawn(fn, world_size: int, *args) -> None:
     mp.start_processes(fn, args=(world_size, _free_port(), *args), nprocs=world_size, join=True, start_method="spawn")
 
 
-@pytest.mark.parametrize("negatives,admit_min_count", [("shared", 1), ("full", 1), ("shared", 2), ("full", 2)])
-def test_two_ranks_equal_one_rank_on_the_same_global_batch(prepared, tmp_path, negatives, admit_min_count):
+@pytest.mark.parametrize("negatives,admit_min_count,ttl", [
+    ("shared", 1, False), ("full", 1, False), ("shared", 2, False), ("full", 2, False), ("shared", 1, True)])
+def test_two_ranks_equal_one_rank_on_the_same_global_batch(prepared, tmp_path, negatives, admit_min_count, ttl):
     """With admission, every rank's lookup of the negatives all ranks draw alike (or of the
-    full corpus) must count as one sighting, as on one rank, not one per rank."""
-    cfg = tiny_config(prepared, tmp_path / "one")
-    cfg.model.negatives = negatives
-    for t in cfg.sparse.tables:
-        t.admit_min_count = admit_min_count
+    full corpus) must count as one sighting, as on one rank, not one per rank. With a TTL,
+    rows expire on the global batch's clock, not on each rank's half of it (here rank 0's
+    users come 20 days after rank 1's, and rows live 10 days)."""
+    later_s = 20 * 86400 if ttl else 0
     result = str(tmp_path / "result")
-    _spawn(_train_on, 1, json.dumps(to_dict(cfg)), result + "1")
-    cfg2 = tiny_config(prepared, tmp_path / "two")
-    cfg2.model.negatives = negatives
-    for t in cfg2.sparse.tables:
-        t.admit_min_count = admit_min_count
-    _spawn(_train_on, 2, json.dumps(to_dict(cfg2)), result + "2")
+    for world_size, name in ((1, "one"), (2, "two")):
+        cfg = tiny_config(prepared, tmp_path / name)
+        cfg.model.negatives = negatives
+        for t in cfg.sparse.tables:
+            t.admit_min_count = admit_min_count
+            t.ttl_seconds = 10 * 86400 if ttl else None
+        _spawn(_train_on, world_size, json.dumps(to_dict(cfg)), result + str(world_size), later_s)
     one = torch.load(result + "1.0")
     r0, r1 = torch.load(result + "2.0"), torch.load(result + "2.1")
     # One exchange per step for the batch's rows, the corpus of "full" negatives included;
