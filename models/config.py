@@ -88,8 +88,9 @@ class TrainConfig:
     deterministic: bool = True
     """Deterministic kernels and data order: a resumed run repeats the same losses."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """Autocast dtype of the dense tower; master weights stay fp32. fp16 adds a grad scaler.
-    "auto": bf16 on CUDA, fp32 on CPU (where bf16 autocast measured slower end to end:
+    """Autocast dtype of the dense tower; master weights stay fp32. fp16 is refused on CUDA
+    (its loss scaling would reach the sparse rows, stepped inside backward; on CPU the scaler
+    is off). "auto": bf16 on CUDA, fp32 on CPU (where bf16 autocast measured slower end to end:
     5.7K vs 7.3K tokens/s on the demo model, 2-core machine)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Dense optimizer and schedule (sparse rows have their table's own optimizer)."""
