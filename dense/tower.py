@@ -220,8 +220,8 @@ class SequenceTower(nn.Module):
         else:
             s = torch.matmul(q, K_BHLd.transpose(-1, -2)) * layer.attention_dim ** -0.5
             s = s.masked_fill(~valid_BL[:, None, None, :], float("-inf"))
-            attn = torch.matmul(torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)), dim=-1).to(V_BHLd.dtype),
-                                V_BHLd)
+            a = torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)), dim=-1)
+            attn = torch.matmul(a.to(V_BHLd.dtype), V_BHLd)
         return layer.finish(x_BD, u_BX, attn.reshape(B, H * V_BHLd.shape[-1]))
 
     @torch.no_grad()

@@ -111,7 +111,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
             value = [to_dict(v) for v in value]
         if value is not None:
             out[f.name] = value
-        elif f.default is not None and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING):
+        elif f.default is not None and (f.default is not dataclasses.MISSING
+                                        or f.default_factory is not dataclasses.MISSING):
             out[f.name] = NONE
     return out
 

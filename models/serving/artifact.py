@@ -563,7 +563,8 @@ def load_artifact_contents(artifact_dir: str | os.PathLike) -> ArtifactContents:
     index = _load_safetensors(root, ITEM_INDEX_FILE, manifest)
     if "item_ids" not in index or "embeddings" not in index:
         raise ValueError(f"artifact file {ITEM_INDEX_FILE}: needs tensors 'item_ids' and 'embeddings'")
-    check_item_index(f"artifact file {ITEM_INDEX_FILE}", index, manifest, (manifest.get("item_index") or {}).get("num_items"))
+    num_items = (manifest.get("item_index") or {}).get("num_items")
+    check_item_index(f"artifact file {ITEM_INDEX_FILE}", index, manifest, num_items)
     side = {k[len("feature."):]: v for k, v in index.items() if k.startswith("feature.")}
     return ArtifactContents(
         path=root, manifest=manifest, dense_state=dense_state, tables=tables,

@@ -410,8 +410,9 @@ def run(quick: bool) -> dict:
         ann_items = 200_000 if quick else 10_000_000
         _log(f"approximate retrieval index over {ann_items} clustered vectors (dim {dim}, K={ANN_K})")
         result.update(bench_ann(ann_items, dim, ANN_K, num_queries=30 if quick else 100))
-        _log(f"ANN: recall@{ANN_K} {result[f'recall_at_{ANN_K}_vs_exact']:.3f} at nprobe {result['ann_nprobe']}/"
-             f"{result['ann_nlist']}, p99 {result['ann_retrieve_p99_ms']:.1f} ms, built in {result['ann_build_s']:.0f} s")
+        _log(f"ANN: recall@{ANN_K} {result[f'recall_at_{ANN_K}_vs_exact']:.3f} at nprobe "
+             f"{result['ann_nprobe']}/{result['ann_nlist']}, p99 {result['ann_retrieve_p99_ms']:.1f} ms, "
+             f"built in {result['ann_build_s']:.0f} s")
         result["targets_met"]["ann_recall_0p95_p99_under_30ms"] = (
             result[f"recall_at_{ANN_K}_vs_exact"] >= 0.95 and result["ann_retrieve_p99_ms"] < 30)
     result["wall_s"] = time.time() - t_start

@@ -468,7 +468,8 @@ class Trainer:
                 f"epoch {loader.epoch} is {len(loader) - loader.batches_done} steps on this world")
         if tc.num_epochs is not None:
             left = len(loader) - loader.batches_done
-            left += sum(steps_per_epoch(self.cfg, self.dist.world_size, e) for e in range(loader.epoch + 1, tc.num_epochs))
+            world = self.dist.world_size
+            left += sum(steps_per_epoch(self.cfg, world, e) for e in range(loader.epoch + 1, tc.num_epochs))
             tc.max_steps = self.step + (left if loader.epoch < tc.num_epochs else 0)
             saved = self.scheduler.state_dict()
             self.scheduler = warmup_cosine(

@@ -176,6 +176,12 @@ def _null_at(table: pa.Table, name: str, row: int) -> pa.Table:
     return _with(table, name, pa.array(values, table.schema.field(name).type))
 
 
+def _uint64_with(table: pa.Table, name: str, row: int, value: int) -> pa.Array:
+    values = table.column(name).to_pylist()
+    values[row] = value
+    return pa.array(values, pa.uint64())
+
+
 BAD_TABLES = {
     "missing column": (lambda t: t.drop_columns(["advertiser_id"]), "missing column 'advertiser_id'"),
     "ts as string": (lambda t: _with(t, "ts", t.column("ts").cast(pa.string())), "'ts'.*type string"),
@@ -186,10 +192,9 @@ BAD_TABLES = {
     "label out of 0/1": (lambda t: _with(t, "click", pa.array([2] * t.num_rows, pa.int8())), "'click'.*0/1"),
     "empty file": (lambda t: t.slice(0, 0), "empty file"),
     # uint64 above 2^63 - 1 used to wrap to a negative int64: the latest event sorted first.
-    "uint64 ts past int64": (lambda t: _with(t, "ts", pa.array([(1 << 63) + 10] + t.column("ts").to_pylist()[1:],
-                                                            pa.uint64())), "'ts'.*value 9223372036854775818 in row group 0"),
-    "uint64 item past int64": (lambda t: _with(t, "item_id", pa.array(t.column("item_id").to_pylist()[:150] + [1 << 63]
-                                                                      + t.column("item_id").to_pylist()[151:], pa.uint64())),
+    "uint64 ts past int64": (lambda t: _with(t, "ts", _uint64_with(t, "ts", 0, (1 << 63) + 10)),
+                             "'ts'.*value 9223372036854775818 in row group 0"),
+    "uint64 item past int64": (lambda t: _with(t, "item_id", _uint64_with(t, "item_id", 150, 1 << 63)),
                                "'item_id'.*in row group 1"),
 }
 
