@@ -146,7 +146,7 @@ def publish_dir(staging: Path, out: Path, *, manifest: str | None = None, format
         else:
             if manifest is not None and not holds_output(out, manifest, format):
                 raise OutputExistsError(f"{out} appeared while writing and is not a genrec output of this kind; "
-                                 f"refusing to replace it (the new output is left in {staging})")
+                                 "refusing to replace it (this run's output is discarded)")
             old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             os.rename(out, old)
     os.rename(staging, out)

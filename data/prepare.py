@@ -267,7 +267,7 @@ def _resolve_paths(spec) -> list[Path]:
             out.append(Path(s))
         else:
             raise ValueError(f"{s}: no such file")
-    return sorted(set(out))
+    return sorted({p.resolve() for p in out})  # one file under two spellings is read once
 
 
 def _open_log(path: Path, features: FeatureSpec) -> _Log:

@@ -252,6 +252,14 @@ def test_input_paths_and_types_across_files(tmp_path):
     with pytest.raises(ValueError, match="strings.parquet.*'item_id' holds string ids"):
         prepare(log, tmp_path / "out", AD_FEATURES, SplitConfig(), progress=False)
     assert no_leftovers(tmp_path)
+    # One file under two spellings is read once (every event was counted twice).
+    (log / "strings.parquet").unlink()
+    part = sorted(log.glob("*.parquet"))[0]
+    (log / "sub").mkdir()
+    once = prepare([part], tmp_path / "once", AD_FEATURES, SplitConfig(), progress=False)
+    twice = prepare([part, log / "sub" / ".." / part.name], tmp_path / "twice", AD_FEATURES, SplitConfig(),
+                    progress=False)
+    assert twice["counts"]["source_events"] == once["counts"]["source_events"]
 
 
 @pytest.mark.parametrize(
