@@ -232,7 +232,9 @@ class GenerativeRecommender(nn.Module):
         by one."""
         with record_function("genrec.sparse_forward"):  # a range for `genrec profile`
             many = getattr(self.embeddings, "lookup_many", None)
-            return many(kjts, replicated) if many is not None else [self.embeddings(k) for k in kjts]
+            if many is None:
+                return [self.embeddings(k) for k in kjts]
+            return many(kjts, replicated) if replicated and any(replicated) else many(kjts)
 
     def _combine(self, embedded: dict, keys: list[str], which: str) -> torch.Tensor:
         """One token per event from its features' rows (`model.token_combine`)."""

@@ -252,7 +252,7 @@ def test_contrastive_term_is_the_two_view_infonce(prepared, tmp_path):
     net.tower.register_forward_hook(lambda m, args, out: views.append(out))
     net.embeddings.register_forward_hook(lambda m, args, out: lookups.append(1))
     many = net.embeddings.lookup_many
-    net.embeddings.lookup_many = lambda kjts: (lookups.extend([1] * len(kjts)), many(kjts))[1]
+    net.embeddings.lookup_many = lambda kjts, *rest: (lookups.extend([1] * len(kjts)), many(kjts, *rest))[1]
     net.train()
     torch.manual_seed(0)
     loss, parts = net(batch)
