@@ -345,11 +345,12 @@ def _criteo_line_error(path: Path) -> ValueError:
 
 
 def _raw_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """Every line but empty ones: a line of blanks is one the fast reader failed on."""
     try:
         with _open_text(path) as f:
             for number, line in enumerate(f, 1):
                 line = line.rstrip("\r\n")
-                if line.strip():
+                if line:
                     yield number, line
     except UnicodeDecodeError as e:
         raise ValueError(f"convert: input file {path} is not UTF-8 text ({e})") from None

@@ -384,6 +384,8 @@ def _validate(num_users: int, num_items: int, num_events: int, events_per_file: 
         raise ValueError("synthesize: base_ctr and conversion_rate must be in (0, 1)")
     if cfg.num_slots < 1 or cfg.num_devices < 1 or cfg.latent_dim < 1 or cfg.num_categories < 0:
         raise ValueError("synthesize: num_slots, num_devices, latent_dim must be >= 1 and num_categories >= 0")
+    if cfg.truth_sample_size < 1:
+        raise ValueError(f"synthesize: truth_sample_size must be >= 1, got {cfg.truth_sample_size}")
 
 
 def synthesize(out_dir: str | os.PathLike, *, num_users: int, num_items: int, num_events: int, seed: int,
@@ -506,6 +508,10 @@ def _manifest(world: _World, cfg: SynthConfig, seed: int, num_users: int, num_it
     def rate(mask: np.ndarray) -> float | None:
         return float(click[mask].mean()) if mask.any() else None
 
+    def auc(scores: np.ndarray) -> float | None:  # None, not NaN, without both classes: strict JSON
+        value = click_auc(scores, click)
+        return None if np.isnan(value) else value
+
     return {
         "kind": "genrec-synth",
         "seed": seed,
@@ -523,10 +529,10 @@ def _manifest(world: _World, cfg: SynthConfig, seed: int, num_users: int, num_it
         "config": asdict(cfg),
         "truth": {
             "sample_size": int(ad.size),
-            "oracle_click_auc": click_auc(sample["p_click"], click),
-            "oracle_static_click_auc": click_auc(sample["p_static"], click),
-            "item_ctr_click_auc": click_auc(item_ctr[ad], click),
-            "item_popularity_click_auc": click_auc(impressions_N[ad], click),
+            "oracle_click_auc": auc(sample["p_click"]),
+            "oracle_static_click_auc": auc(sample["p_static"]),
+            "item_ctr_click_auc": auc(item_ctr[ad]),
+            "item_popularity_click_auc": auc(impressions_N[ad]),
             "ctr_after_click_same_category": rate(same),
             "ctr_after_click_other_category": rate(other),
             "ctr_before_first_click": rate(~after),

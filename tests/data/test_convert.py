@@ -257,3 +257,10 @@ def test_a_corrupt_compressed_input_names_the_file(tmp_path):
     cut.write_bytes(whole[: len(whole) // 2])
     with pytest.raises(ValueError, match=r"cannot read input file .*cut\.data\.gz"):
         convert("movielens", [cut], tmp_path / "out2", progress=False)
+
+
+def test_a_criteo_line_of_blanks_is_named(tmp_path):
+    lines = CRITEO.read_text().splitlines()[:5]
+    bad = _write(tmp_path / "blank.csv", "\n".join(lines + ["   "] + lines) + "\n")
+    with pytest.raises(ValueError, match=r"malformed line 6 in .*blank\.csv.*expected 40 TAB-separated fields"):
+        convert("criteo", [bad], tmp_path / "out", progress=False)

@@ -198,3 +198,15 @@ def test_existing_output_needs_overwrite(tmp_path):
     empty.mkdir()
     synthesize(empty, **kw)
     assert (empty / MANIFEST_NAME).exists()
+
+
+def test_truth_sample_size_is_checked_and_a_log_without_clicks_writes_strict_json(tmp_path):
+    kw = dict(num_users=20, num_items=30, num_events=200, seed=0, progress=False)
+    with pytest.raises(ValueError, match="truth_sample_size must be >= 1, got 0"):
+        synthesize(tmp_path / "a", config=SynthConfig(truth_sample_size=0), **kw)
+    assert not (tmp_path / "a").exists()
+    quiet = SynthConfig(base_ctr=1e-9, same_category_boost=0, same_advertiser_boost=0, last_click_similarity=0)
+    out = synthesize(tmp_path / "b", config=quiet, **kw)
+    assert out["ctr"] == 0.0 and out["truth"]["oracle_click_auc"] is None  # no AUC without a click
+    text = (tmp_path / "b" / MANIFEST_NAME).read_text()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
