@@ -211,12 +211,14 @@ def _open_text(path: Path):
     return open(path, "r", encoding="utf-8-sig", errors="strict", newline=None)
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(1-based line number, stripped line) of non-blank lines; undecodable text names the file."""
+def _lines(path: Path, *, strip: bool = True) -> Iterator[tuple[int, str]]:
+    """(1-based line number, line) of non-empty lines, stripped (`strip`: blank lines are
+    skipped) or only without their line end (a line of blanks is kept); undecodable text or
+    an unreadable file names the file."""
     try:
         with _open_text(path) as f:
             for number, line in enumerate(f, 1):
-                line = line.strip()
+                line = line.strip() if strip else line.rstrip("\r\n")
                 if line:
                     yield number, line
     except UnicodeDecodeError as e:
@@ -329,7 +331,8 @@ def _bucketize(values: pa.Array) -> np.ndarray:
 
 def _criteo_line_error(path: Path) -> ValueError:
     """Slow path after the fast reader failed: find the first bad line and say why."""
-    for number, raw in _raw_lines(path):
+    # Every line: a line of blanks is one the fast reader failed on.
+    for number, raw in _lines(path, strip=False):
         fields = raw.split("\t")
         if len(fields) != 40:
             return _malformed(path, number, raw, f"expected 40 TAB-separated fields (label, I1..I13, C1..C26), got {len(fields)}")
@@ -342,18 +345,6 @@ def _criteo_line_error(path: Path) -> ValueError:
             if value and (len(value) != 8 or any(ch not in "0123456789abcdefABCDEF" for ch in value)):
                 return _malformed(path, number, raw, f"{name} must be 8 hex digits or empty, got {value!r}")
     return ValueError(f"convert: cannot parse Criteo file {path} (no single bad line found)")
-
-
-def _raw_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """Every line but empty ones: a line of blanks is one the fast reader failed on."""
-    try:
-        with _open_text(path) as f:
-            for number, line in enumerate(f, 1):
-                line = line.rstrip("\r\n")
-                if line:
-                    yield number, line
-    except UnicodeDecodeError as e:
-        raise ValueError(f"convert: input file {path} is not UTF-8 text ({e})") from None
 
 
 def _criteo_batches(path: Path) -> Iterator[pa.RecordBatch]:

@@ -509,8 +509,11 @@ def check_ids(where: str, key: str, ids: torch.Tensor, count: int | None = None)
         raise ValueError(f"{where}: {key!r} must be int64 [N], got {ids.dtype} {list(ids.shape)}")
     if count is not None and ids.numel() != count:
         raise ValueError(f"{where}: {key!r} has {ids.numel()} ids, the manifest says {count}")
-    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-        raise ValueError(f"{where}: {key!r} must be strictly increasing (lookups search it)")
+    block = 1 << 24  # in blocks: a mapped table's ids may exceed memory, and so would one [N] mask
+    for s in range(0, max(ids.numel() - 1, 0), block):
+        part = ids[s : s + block + 1]
+        if not bool((part[1:] > part[:-1]).all()):
+            raise ValueError(f"{where}: {key!r} must be strictly increasing (lookups search it)")
 
 
 def _check_shape(where: str, key: str, t: torch.Tensor | None, shape: list[int], dtype: torch.dtype) -> None:

@@ -355,7 +355,7 @@ def _ml100k(tmp: Path, quick: bool) -> dict:
     from genrec.data.prepare import prepare
     from genrec.models.config import JobConfig
     from genrec.models.config_loader import load_config
-    from genrec.models.train.trainer import steps_per_epoch
+    from genrec.models.train.trainer import epoch_steps
 
     if not ML100K.is_file():
         print(f"bench train: {ML100K} not found (GENREC_ML100K_UDATA): no ML-100K scaling figure", file=sys.stderr)
@@ -365,7 +365,7 @@ def _ml100k(tmp: Path, quick: bool) -> dict:
     prepare(tmp / "ml100k-logs", tmp / "ml100k", cfg.data.features, cfg.data.prepare.split, progress=False)
     cfg.data.path = str(tmp / "ml100k")
     epochs = ML100K_EPOCHS[quick]
-    steps = (epochs * steps_per_epoch(cfg, 1), epochs * steps_per_epoch(cfg, 2))
+    steps = (epochs * epoch_steps(cfg, 1), epochs * epoch_steps(cfg, 2))
     ones, twos, scaling, _ = _take_turns(ML100K_CONFIG, tmp / "ml100k", tmp / "ml100k-runs", steps, ROUNDS[quick],
                                          demo=False)
     mid = _median_round(scaling)

@@ -21,6 +21,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
@@ -147,6 +148,9 @@ class Trainer:
         seed_everything(tc.seed, tc.deterministic)
         self.model, self.store = build_model(cfg, dist_info)
         self.store.defer_row_updates = True  # finished in train_step, after the dense optimizer step
+        # With a TTL, every owner stamps and expires rows on the global batch's clock (as one
+        # rank): a rank's own half put the rows it owns for every rank on its own time.
+        self.shared_clock = dist_info.world_size > 1 and any(t.ttl_seconds for t in cfg.sparse.tables)
         mode = cfg.sparse.read_ahead
         self.read_ahead = tc.pipeline and (mode == "on" or (mode == "auto" and dist_info.world_size == 1))
         self.model.set_item_corpus(*load_item_corpus(cfg.data.path))
@@ -236,9 +240,7 @@ class Trainer:
         self.model.train()
         batch = batch.to(self.dist.device, non_blocking=True)
         now = int(batch.timestamps_T.max()) if batch.num_tokens else None  # TTL runs on event time
-        if self.dist.world_size > 1 and any(t.ttl_seconds for t in self.cfg.sparse.tables):
-            # One clock for every owner, the global batch's (as on one rank): a rank's own half
-            # stamped and expired the rows it owns for every rank at its own time.
+        if self.shared_clock:
             t = torch.tensor([-(1 << 62) if now is None else now], dtype=torch.int64, device=self.dist.device)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
             now = None if int(t) == -(1 << 62) else int(t)
@@ -468,8 +470,7 @@ class Trainer:
                 f"epoch {loader.epoch} is {len(loader) - loader.batches_done} steps on this world")
         if tc.num_epochs is not None:
             left = len(loader) - loader.batches_done
-            world = self.dist.world_size
-            left += sum(steps_per_epoch(self.cfg, world, e) for e in range(loader.epoch + 1, tc.num_epochs))
+            left += epoch_steps(self.cfg, self.dist.world_size, range(loader.epoch + 1, tc.num_epochs))
             tc.max_steps = self.step + (left if loader.epoch < tc.num_epochs else 0)
             saved = self.scheduler.state_dict()
             self.scheduler = warmup_cosine(
@@ -495,23 +496,30 @@ def resolve_epochs(cfg: JobConfig, world_size: int) -> JobConfig:
     if tc.num_epochs is not None:
         if tc.num_epochs < 1:
             raise ValueError(f"train.num_epochs must be >= 1, got {tc.num_epochs}")
-        tc.max_steps = sum(steps_per_epoch(cfg, world_size, epoch) for epoch in range(tc.num_epochs))
+        tc.max_steps = epoch_steps(cfg, world_size, range(tc.num_epochs))
     if tc.eval_every_epochs:
-        tc.eval_every = tc.eval_every_epochs * steps_per_epoch(cfg, world_size)
+        tc.eval_every = tc.eval_every_epochs * epoch_steps(cfg, world_size)
     return dataclasses.replace(cfg, train=tc)
 
 
-def steps_per_epoch(cfg: JobConfig, world_size: int, epoch: int = 0) -> int:
-    """Training steps of epoch `epoch`: the batches the loader's plan yields per rank (its
-    batches of each worker's rows, cut to the same count on every rank)."""
+def epoch_steps(cfg: JobConfig, world_size: int, epochs: Iterable[int] = (0,)) -> int:
+    """Training steps of `epochs` (default: the first), summed: the batches the loader's plan
+    yields per rank in each (its batches of each worker's rows, cut to the same count on
+    every rank). The plan reads the split's parquet footers once for all of them."""
+    epochs = list(epochs)
+    if not epochs:
+        return 0
     plan = SequenceDataset(Path(cfg.data.path) / "train", cfg.data.features, cfg.data.loader, rank=0,
                            world_size=world_size)
-    steps = min(len(plan.schedule(epoch, rank)) for rank in range(world_size))
-    if steps < 1:
-        rows = int(load_manifest(cfg.data.path)["counts"]["rows"]["train"])
-        raise ValueError(f"train.num_epochs: the training split has {rows} rows, less than one batch "
-                         f"of {cfg.data.loader.batch_size} per rank (data.loader.batch_size)")
-    return steps
+    total = 0
+    for epoch in epochs:
+        steps = min(len(plan.schedule(epoch, rank)) for rank in range(world_size))
+        if steps < 1:
+            rows = int(load_manifest(cfg.data.path)["counts"]["rows"]["train"])
+            raise ValueError(f"train.num_epochs: the training split has {rows} rows, less than one batch "
+                             f"of {cfg.data.loader.batch_size} per rank (data.loader.batch_size)")
+        total += steps
+    return total
 
 
 def mean_over_ranks(values: dict[str, float], world_size: int) -> dict[str, float]:
