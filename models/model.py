@@ -231,10 +231,15 @@ class GenerativeRecommender(nn.Module):
         (`lookup_many`; `replicated` marks KJTs every rank passes alike), any other module one
         by one."""
         with record_function("genrec.sparse_forward"):  # a range for `genrec profile`
-            many = getattr(self.embeddings, "lookup_many", None)
-            if many is None:
-                return [self.embeddings(k) for k in kjts]
-            return many(kjts, replicated) if replicated and any(replicated) else many(kjts)
+            return self._rows_of(kjts, replicated)
+
+    def _rows_of(self, kjts: list[KeyedJaggedTensor], replicated: list[bool] | None = None) -> list[dict]:
+        """`_lookup` outside a profiler range (for lookups inside another stage's range, whose
+        time a stage of their own would count twice)."""
+        many = getattr(self.embeddings, "lookup_many", None)
+        if many is None:
+            return [self.embeddings(k) for k in kjts]
+        return many(kjts, replicated) if replicated and any(replicated) else many(kjts)
 
     def _combine(self, embedded: dict, keys: list[str], which: str) -> torch.Tensor:
         """One token per event from its features' rows (`model.token_combine`)."""
@@ -272,7 +277,7 @@ class GenerativeRecommender(nn.Module):
     def item_rows(self, item_ids: torch.Tensor, replicated: bool = False) -> torch.Tensor:
         """Embedding rows of `item_ids` from the item feature's table: [N, D]. `replicated`:
         every rank looks up the same ids (see `TieredEmbeddingCollection.lookup_many`)."""
-        return self._lookup([self._items_kjt(item_ids)], [replicated])[0][self.features.item].values()
+        return self._rows_of([self._items_kjt(item_ids)], [replicated])[0][self.features.item].values()
 
     def _history_states(self, batch: Batch, tokens_TD: torch.Tensor) -> torch.Tensor:
         with record_function("genrec.tower"):
