@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-BENCHES = ("data", "sparse", "dense", "train", "serve", "quality", "all", "check", "gate", "baseline",
-           "readme")
+BENCHES = ("data", "sparse", "dense", "train", "serve", "quality", "all", "check", "gate", "baseline", "readme")
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -91,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--history-dtype", str, "cached history and candidate scores: fp32, bf16 or auto (default: bf16 on bf16 CPUs)"),
         ("--advertiser-feature", str, "item feature that allowed_advertisers filters on (default advertiser_id)"),
         ("--ann-nprobe", int, "lists an approximate index scans per query (default: calibrated at export)"),
+        ("--table-cache-mb", float, "hot rows held per table above this size, fp32 MB; 0: none (default 256)"),
     ):
         p.add_argument(flag, type=kind, help=text)
     p.add_argument("--exact-retrieval", action="store_const", const=True, help="ignore an approximate index")

@@ -94,6 +94,17 @@ def _c_library():
     return _libc
 
 
+def advise_pages(t: torch.Tensor, advice: int) -> int:
+    """madvise(2) over every page that holds `t`'s storage (a CPU tensor): 0, or the errno
+    of a refusal. Also for other layers' mapped files (the serving tables)."""
+    storage = t.untyped_storage()
+    if t.device.type != "cpu" or storage.nbytes() == 0:
+        return 0
+    start = storage.data_ptr() & ~(mmap.PAGESIZE - 1)
+    end = (storage.data_ptr() + storage.nbytes() + mmap.PAGESIZE - 1) & ~(mmap.PAGESIZE - 1)
+    return ctypes.get_errno() if _c_library().madvise(start, end - start, advice) else 0
+
+
 def _advise_huge_pages(t: torch.Tensor) -> None:
     """Ask Linux to back a large CPU tensor with transparent huge pages (before it is first
     touched). A tier's slots are read at random, so with 4 KB pages nearly every row costs a

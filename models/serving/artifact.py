@@ -59,6 +59,7 @@ from safetensors.torch import load_file, save_file
 from genrec.data.files import claim_output_dir, publish_dir, sha256_file, staging_dir
 from genrec.models.ids import sorted_positions
 from genrec.models.serving import ann as ann_lib
+from genrec.models.serving.mapped import RowCache, advise_random, will_need_rows
 from genrec.models.model import retrieval_vectors
 
 FORMAT = "genrec.artifact/1"
@@ -129,6 +130,8 @@ class ServingTable:
     """float32 [N, 2] for int8 rows, else None."""
     patch: TablePatch | None = None
     """Rows changed by live deltas since the artifact was loaded."""
+    cache: RowCache | None = None
+    """Hot rows held in memory, fp32 (`ServingConfig.table_cache_mb`); the table's own rows only."""
 
     @property
     def dim(self) -> int:
@@ -143,8 +146,8 @@ class ServingTable:
         `at`: the ids' `positions`, where the caller already has them."""
         ids = ids.long()
         pos, found = self.positions(ids) if at is None else at
-        sb = None if self.scale_bias_N2 is None else self.scale_bias_N2[pos]
-        rows = dequantize_rows(self.rows_ND[pos], sb) * found.unsqueeze(1)
+        rows = self._read(pos) if self.cache is None else self.cache.lookup(pos, self._read)
+        rows *= found.unsqueeze(1)
         if self.patch is not None:
             p = self.patch
             ppos, pfound = sorted_positions(p.ids_N, ids)
@@ -153,8 +156,16 @@ class ServingTable:
             rows[hit] = dequantize_rows(p.rows_ND[ppos[hit]], psb) * p.live_N[ppos[hit]].unsqueeze(1)
         return rows
 
+    def _read(self, pos: torch.Tensor) -> torch.Tensor:
+        if self.cache is not None:  # a table above the cache's bound: what misses may be on disk
+            will_need_rows(self.rows_ND, pos)
+            will_need_rows(self.scale_bias_N2, pos)
+        sb = None if self.scale_bias_N2 is None else self.scale_bias_N2[pos]
+        return dequantize_rows(self.rows_ND[pos], sb)
+
     def nbytes(self) -> int:
         extra = 0 if self.scale_bias_N2 is None else self.scale_bias_N2.nbytes
+        extra += 0 if self.cache is None else self.cache.nbytes()
         if self.patch is not None:
             p = self.patch
             extra += p.ids_N.nbytes + p.live_N.nbytes + p.rows_ND.nbytes
@@ -562,6 +573,7 @@ def load_artifact_contents(artifact_dir: str | os.PathLike) -> ArtifactContents:
         meta = manifest["tables"][name]
         check_table(f"artifact file {rel}", t, meta.get("embedding_dim", manifest["dim"]), manifest["dtype"],
                     meta.get("num_rows"))
+        advise_random(t["ids"], t["rows"], t.get("scale_bias"))
         tables[name] = ServingTable(ids_N=t["ids"], rows_ND=t["rows"], scale_bias_N2=t.get("scale_bias"))
     index = _load_safetensors(root, ITEM_INDEX_FILE, manifest)
     if "item_ids" not in index or "embeddings" not in index:

@@ -19,7 +19,8 @@ What it measures (all side by side in one run, since the machine is shared and n
   untrained; a trained checkpoint gives the production figure).
 
 - Live deltas: the time to build and swap in the base plus a delta of 1% of the item rows.
-- Tables read from disk: in-process latency with the tables' pages dropped before each request.
+- Tables read from disk: in-process latency (and MB read from the disk) with the tables'
+  pages dropped before each request, without and with a hot-row cache.
 - The approximate index (models/serving/ann.py) on clustered vectors (10M; quick: 200K):
   build time, recall@500 of the calibrated search against exact search, one query's p99.
   Building the 10M index takes minutes: `GENREC_BENCH_SERVE_ANN=0` leaves this part out
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -258,15 +260,43 @@ def bench_ann(num_items: int, dim: int, k: int, num_queries: int, repeats: int =
     return result
 
 
-def drop_page_cache(root: Path) -> None:
-    """Evict the files under `root` from the page cache (posix_fadvise, no privileges needed)."""
-    for path in Path(root).rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+def _cold_tables(art: Path, scfg, num_items: int, history: int, k: int, n: int, item_features, quick: bool) -> dict:
+    """`cold_disk_*`: in-process latency with the tables' pages unmapped and dropped from the
+    page cache before each request (their bytes read from the disk: /proc/self/io), with
+    Zipf(1.05) histories: without a hot-row cache, then with one of a quarter of the tables'
+    bytes (models/serving/mapped.py), warmed by as many requests first."""
+    from genrec.models.serving.mapped import disk_read_bytes, evict
+    from genrec.models.serving.ranker import load_artifact
+
+    # A copy no other ranker of this process maps (pages a process maps stay resident).
+    art = Path(shutil.copytree(art, art.with_name(art.name + "-cold")))
+    gen = torch.Generator().manual_seed(7)
+    popular = torch.randperm(num_items, generator=gen)
+    weights = torch.arange(1, num_items + 1, dtype=torch.float64) ** -1.05
+    count = 10 if quick else 40
+    reqs = [synthetic_request(num_items, history, k=k, n=n, seed=i, item_features=item_features)
+            for i in range(2 * count)]
+    for req in reqs:
+        items = popular[torch.multinomial(weights, history, replacement=True, generator=gen)]
+        req.update(item_ids=items.tolist(), features={f: col[items].tolist() for f, col in item_features.items()})
+    table_mb = sum(f.stat().st_size for f in (art / "tables").iterdir()) / 2**20
+    out = {}
+    for key, cache_mb in (("cold_disk", 0.0), ("cold_disk_cached", table_mb / 4)):
+        ranker = load_artifact(art, replace(scfg, table_cache_mb=cache_mb))
+        mapped = [x for t in ranker.contents.tables.values() for x in (t.ids_N, t.rows_ND, t.scale_bias_N2)]
+        for req in reqs[:count]:
+            ranker.rank(req)
+        ms, read = [], []
+        for req in reqs[count:]:
+            evict(art / "tables", *mapped)
+            read0 = disk_read_bytes()
+            ms.append(_timed_ms(lambda req=req: ranker.rank(req)))
+            read.append((disk_read_bytes() - read0) / 2**20)
+        out.update({f"{key}_p50_ms": _percentile(ms, 50), f"{key}_p99_ms": _percentile(ms, 99),
+                    f"{key}_read_mb_per_request": _percentile(read, 50)})
+    out["cold_disk_cache_mb"] = table_mb / 4
+    shutil.rmtree(art)
+    return out
 
 
 def _spread(xs: list[float]) -> dict:
@@ -375,14 +405,8 @@ def run(quick: bool) -> dict:
             lat_d[d] = _percentile(_time_calls(call, 10 if quick else 40, 4 if quick else 40), 50)
             result[f"{d}_inprocess_p50_ms"] = lat_d[d]
             result[f"{d}_memory_bytes"] = rk.memory_bytes()
-        # Tables larger than memory are read from the mapped files: the same requests with
-        # the tables' pages dropped from the page cache before each one.
-        cold = []
-        for j in range(10 if quick else 40):
-            drop_page_cache(arts["fp32"] / "tables")
-            cold.append(_timed_ms(lambda j=j: r32.rank(requests[j % len(requests)])))
-        result["cold_tables_inprocess_p50_ms"] = _percentile(cold, 50)
-        result["cold_tables_inprocess_p99_ms"] = _percentile(cold, 99)
+        # Tables larger than memory are read from the mapped files.
+        result.update(_cold_tables(arts["fp32"], scfg, num_items, history, k, n, item_features, quick))
         from genrec.models.serving.delta import apply_delta
         from genrec.models.serving.ranker import Ranker
 

@@ -57,6 +57,7 @@ from genrec.models.serving.ann import manifest_entry as ann_manifest_entry
 from genrec.models.serving.artifact import (
     DENSE_FILE, MANIFEST, ArtifactContents, ServingTable, load_artifact_contents,
 )
+from genrec.models.serving.mapped import RowCache
 from genrec.models.model import GenerativeRecommender, ModelConfig, retrieval_vectors
 
 RETRIEVAL = "retrieval"
@@ -105,6 +106,11 @@ class ServingConfig:
     """Search the exact item index even when the artifact has an approximate one (recall checks)."""
     ann_nprobe: int | None = None
     """Lists the approximate index scans per query; None: the nprobe calibrated at export."""
+    table_cache_mb: float = 256.0
+    """Bound on the hot rows (fp32) held in this process per embedding table
+    (models/serving/mapped.py); 0: none. Only tables whose rows as fp32 exceed it get a
+    cache: a smaller table stays whole in the page cache, where a probe costs more than a
+    read. The tables stay memory-mapped either way."""
 
 
 @dataclass(kw_only=True)
@@ -185,6 +191,13 @@ class Ranker:
         for name, meta in m["tables"].items():
             for f in meta["features"]:
                 self.table_of[f] = contents.tables[name]
+        if self.cfg.table_cache_mb < 0:
+            raise ValueError(f"ServingConfig.table_cache_mb must be >= 0, got {self.cfg.table_cache_mb}")
+        cache_bytes = int(self.cfg.table_cache_mb * 2**20)
+        for table in contents.tables.values():
+            # A live delta's model keeps its base's caches (its tables share the base's rows).
+            if table.cache is None and 0 < cache_bytes < table.ids_N.numel() * table.dim * 4:
+                table.cache = RowCache(table.ids_N.numel(), table.dim, cache_bytes)
         self.item_ids_N = contents.item_ids_N
         self.item_side = contents.item_side_features
         self.item_scale_N = contents.item_scale_N
@@ -535,6 +548,10 @@ class Ranker:
             states = self.model.tower(values, offsets, ts, num_targets_B=torch.ones(r, dtype=torch.int64))
             out.append(states.view(r, L + 1, -1)[:, -1])
         return torch.sigmoid(self.model.ranking_logits(self.model.head_input(torch.cat(out), cand_TD)))
+
+    def table_cache_stats(self) -> dict[str, dict[str, int]]:
+        """Per table with a hot-row cache: its capacity, bytes, hits and misses so far."""
+        return {name: t.cache.stats() for name, t in self.contents.tables.items() if t.cache is not None}
 
     def memory_bytes(self) -> int:
         """Bytes held by tables, item index and dense weights."""

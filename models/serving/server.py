@@ -183,6 +183,8 @@ class _Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
         self.model = Gauge("genrec_model_info", "Served model (value 1)", ["version", "dtype"], registry=self.registry)
         self.reloads = Counter("genrec_reloads", "Artifact reloads by outcome", ["result"], registry=self.registry)
+        self.table_cache = Gauge("genrec_table_cache_rows", "Hot-row cache lookups of the served model's tables "
+                                 "since its artifact was loaded", ["table", "outcome"], registry=self.registry)
 
 
 # ---------------------------------------------------------------------- the ASGI gate
@@ -394,6 +396,10 @@ def create_app(artifact_dir: str | Path, *, serving_cfg: ServingConfig | None = 
 
     @app.get("/metrics")
     async def prometheus():
+        metrics.table_cache.clear()  # a reload may have other tables
+        for name, stats in batcher.ranker.table_cache_stats().items():
+            for outcome in ("hits", "misses"):
+                metrics.table_cache.labels(name, outcome).set(stats[outcome])
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def refuse(result: str, status: int, detail: str, field: str, **headers: str) -> JSONResponse:

@@ -5,6 +5,7 @@ while serving with no request seeing a half-applied model."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import threading
@@ -139,7 +140,10 @@ def test_a_server_applies_a_delta_while_serving(versions):
     arts, deltas, feats = versions["arts"], versions["deltas"], versions["feats"]
     reqs = [synthetic_request(NUM_ITEMS, 50, k=40, n=20, seed=s, item_features=feats) for s in range(4)]
     want = {v: [load_artifact(arts[v], CFG).rank(r)["items"] for r in reqs] for v in ("v1", "v2")}
-    app = create_app(arts["v1"], serving_cfg=CFG, reload_token=TOKEN, reload_dirs=[versions["root"]])
+    # The server holds hot rows in a cache of 64 slots (tables of 600 rows): the delta's
+    # patch and the slots' collisions under two clients must not change an answer.
+    cached = dataclasses.replace(CFG, table_cache_mb=0.01)
+    app = create_app(arts["v1"], serving_cfg=cached, reload_token=TOKEN, reload_dirs=[versions["root"]])
     auth = {"Authorization": f"Bearer {TOKEN}"}
     seen, stop = [], threading.Event()
     with serve_in_thread(app) as url:
@@ -168,6 +172,8 @@ def test_a_server_applies_a_delta_while_serving(versions):
             for t in threads:
                 t.join()
             assert c.get("/healthz").json()["model_version"] == "v2"
+            metrics = c.get("/metrics").text
+    assert re.search(r'genrec_table_cache_rows\{outcome="hits",table="t_item_id"\} [1-9]', metrics), metrics
     # Every answer is one version's answer, whole. Within 1e-5, as a request batched with
     # another is answered (test_serving's batched-vs-single contract): the batch runs its
     # GEMMs at another shape, and some CPUs' kernels then round the last bit differently
