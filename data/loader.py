@@ -30,6 +30,7 @@ communication), so collective training steps never wait for a rank that has run 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,6 +186,9 @@ class SequenceDataset(IterableDataset):
                 n = meta.metadata.row_group(rg).num_rows
                 if n:
                     row_groups.append(_Unit(i, rg, 0, n))
+        # What a saved position is a position in: the files and their row groups' sizes.
+        layout = [(self.paths[u.file_idx].name, u.row_group, u.num_rows) for u in row_groups]
+        self.fingerprint = hashlib.sha256(repr(layout).encode()).hexdigest()[:16]
         # Too few row groups for the global workers: cut them into row slices so no worker
         # idles (a slice re-reads its row group; only small splits take this path).
         want = 4 * self.world_size * self.num_workers
@@ -420,7 +424,8 @@ class SequenceLoader:
         ds = self.dataset
         state = {"epoch": self.epoch, "batches_done": self.batches_done, "seed": self.cfg.seed,
                  "batch_size": self.cfg.batch_size, "rank": ds.rank, "world_size": ds.world_size,
-                 "num_workers": self.cfg.num_workers}
+                 "num_workers": self.cfg.num_workers, "shuffle": self.cfg.shuffle, "drop_last": self.cfg.drop_last,
+                 "data_fingerprint": ds.fingerprint}
         if ds.resumed is not None and ds.resumed[0] == self.epoch:
             state["pieces"] = torch.from_numpy(ds.resumed[1].copy())
         return state
@@ -433,11 +438,16 @@ class SequenceLoader:
         what `drop_last` and `equal_batches_per_rank` drop in any epoch). Later epochs
         follow this plan."""
         ds = self.dataset
-        for key in ("seed", "batch_size"):
-            if state.get(key) != getattr(self.cfg, key):
+        required = ("seed", "batch_size")
+        for key in (*required, "shuffle", "drop_last"):  # the last two where saved (newer positions)
+            if (key in state or key in required) and state.get(key) != getattr(self.cfg, key):
                 raise ValueError(f"loader state: {key} = {state.get(key)!r} but this loader has "
                                  f"{getattr(self.cfg, key)!r}; the saved position only means something "
                                  "for the same setting")
+        if state.get("data_fingerprint", ds.fingerprint) != ds.fingerprint:
+            raise ValueError(f"loader state: saved over other data than {ds.split_dir} holds now (its parquet "
+                             "files or their row groups differ: prepared again?); the saved position only "
+                             "means something for the same files")
         epoch, done = int(state["epoch"]), int(state["batches_done"])
         saved_plan = None if state.get("pieces") is None else (epoch, _with_take(np.asarray(state["pieces"], np.int64)))
         saved_workers = max(int(state.get("num_workers", 0)), 1)

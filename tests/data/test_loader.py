@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 import torch
 from seqdata_helpers import AD_FEATURES, ML100K, ML_FEATURES, random_log, write_log
@@ -226,6 +227,23 @@ def test_resume_state_must_match_setting(ad_prepared):
     other = make_loader(ad_prepared / "train", AD_FEATURES, LoaderConfig(batch_size=16))
     with pytest.raises(ValueError, match="batch_size"):
         other.load_state_dict(state)
+    unshuffled = make_loader(ad_prepared / "train", AD_FEATURES, LoaderConfig(batch_size=8, shuffle=False))
+    with pytest.raises(ValueError, match="shuffle"):
+        unshuffled.load_state_dict(state)
+
+
+def test_a_position_over_other_data_is_refused(ad_prepared, tmp_path):
+    """The same directory prepared again (other rows, other row groups): the saved position
+    would silently name other rows, so it is refused, naming the directory."""
+    state = make_loader(ad_prepared / "train", AD_FEATURES, LoaderConfig(batch_size=8)).state_dict()
+    other = tmp_path / "train"
+    other.mkdir()
+    files = sorted((ad_prepared / "train").glob("*.parquet"))
+    for f in files[:-1] if len(files) > 1 else files:
+        table = pq.read_table(f)
+        pq.write_table(table.slice(0, table.num_rows - 1), other / f.name)
+    with pytest.raises(ValueError, match="other data"):
+        make_loader(other, AD_FEATURES, LoaderConfig(batch_size=8)).load_state_dict(state)
 
 
 def test_stochastic_length_keeps_most_recent(ad_prepared):
