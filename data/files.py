@@ -139,6 +139,13 @@ def publish_dir(staging: Path, out: Path, *, manifest: str | None = None, format
     """Rename `staging` to `out`. An existing non-empty `out` is moved aside first and then
     removed; with `manifest`, only if it still holds an output of that kind (it may have
     been filled by someone else while we were writing)."""
+    # Every file and folder on disk before the rename makes them the output: after a crash
+    # the published folder holds complete files, never the zero-length or partly written
+    # ones that a rename ahead of the data's writeback can leave.
+    for path in sorted(staging.rglob("*"), reverse=True):
+        if not path.is_symlink():
+            fsync_path(path)
+    fsync_path(staging)
     old = None
     if out.exists():
         if out.is_dir() and not any(out.iterdir()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -160,6 +161,31 @@ def test_manifest_checksums_and_atomic_overwrite(tmp_path):
     prepare(paths[:1], out, AD_FEATURES, SplitConfig(), num_shards=2, overwrite=True, progress=False)
     assert len(load_manifest(out)["sources"]) == 1
     assert no_leftovers(tmp_path)
+
+
+def test_every_output_file_is_on_disk_before_the_folder_is_published(tmp_path, monkeypatch):
+    """A rename can reach the disk before the data it names: every file and folder of the
+    output is fsynced before the staging folder is renamed into place."""
+    synced, renamed = [], []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def rename(src, dst):
+        renamed.append((str(src), str(dst), len(synced)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    paths = write_log(random_log(50, 800, seed=5), tmp_path / "log", num_files=2)
+    out = tmp_path / "out"
+    prepare(paths, out, AD_FEATURES, SplitConfig(), num_shards=2, progress=False)
+    src, dst, synced_before = next(r for r in renamed if r[1] == str(out))
+    before = {Path(p).relative_to(src).as_posix() for p in synced[:synced_before] if p.startswith(src + "/")}
+    published = {p.relative_to(out).as_posix() for p in out.rglob("*")}
+    assert published and published <= before, sorted(published - before)
 
 
 def _good() -> pa.Table:
