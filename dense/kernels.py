@@ -21,7 +21,7 @@ TowerConfig.time_bias_query="next"), ts the keys' own `layout.timestamps_T`.
     ("hstu", "reference")          padded [B, H, N, N], plain PyTorch: the specification
     ("hstu", "chunked")            length buckets; on CPU in fp32 and bf16 (converted to fp32
                                    around them) the one-pass native kernels of csrc/hstu_tile.c
-                                   (fused.py), no [N, N] tile; else query blocks of tiles in
+                                   (hstu_op.py), no [N, N] tile; else query blocks of tiles in
                                    PyTorch, recomputed in backward (float64; CUDA without Triton)
     ("hstu", "triton")             Triton kernels on the jagged tokens (triton_hstu.py): CUDA, or
                                    CPU under TRITON_INTERPRET=1; "chunked" on CUDA tensors runs it
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused as _fused
-from . import triton_hstu
+from . import hstu_op, triton_hstu
 from .bias import time_buckets, time_thresholds
 from .jagged import JaggedLayout, LengthBucket
 
@@ -215,7 +215,7 @@ def _own_or(query_ts: torch.Tensor, ts: torch.Tensor) -> torch.Tensor | None:
 
 def _one_pass(q, k, v) -> bool:
     """fp32, and bf16 converted to fp32 around them, run the native one-pass kernels
-    (fused.attention_forward / attention_backward)."""
+    (the custom ops of hstu_op.py)."""
     return q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16)
 
 
@@ -237,8 +237,7 @@ def _fused_state(q, k, v, ts_w, pos_w, bucket, p):
     keep = dict(  # held by the closure so the raw pointers stay valid
         ts=None if ts_w is None else bucket.timestamps_GN.contiguous(),
         qts=None if ts_w is None else _own_or(bucket.query_timestamps_GN, bucket.timestamps_GN),
-        tidx=None if ts_w is None or (_one_pass(q, k, v) and N > TIME_INDEX_MAX_LEN)
-        else _fused_time_index(bucket, p),
+        tidx=None if ts_w is None else _fused_time_index(bucket, p),
         thr=time_thresholds(p.num_time_buckets, p.time_bucket_divisor),
         ts_w=None if ts_w is None else ts_w.detach().float().contiguous(),
         pos_w=None if pos_w is None else pos_w.detach().float().contiguous(),
@@ -262,7 +261,26 @@ def _scale_rows(x, inv_n, i0, i1):
     return x * inv_n[:, None, i0:i1, None].to(x.dtype)
 
 
+def _one_pass_attention(q, k, v, ts_w, pos_w, bucket: LengthBucket, p: HSTUAttentionParams) -> torch.Tensor:
+    """fp32 / bf16 on the CPU: the whole attention of a bucket in one native pass each way
+    (the backward recomputes the scores), as the custom ops of hstu_op.py."""
+    N = q.shape[2]
+    timed = ts_w is not None
+    with torch.autocast(q.device.type, enabled=False):
+        out = hstu_op.attention(
+            q.float(), k.float(), v.float(), bucket.timestamps_GN if timed else None,
+            _own_or(bucket.query_timestamps_GN, bucket.timestamps_GN) if timed else None,
+            _fused_time_index(bucket, p) if timed and N <= TIME_INDEX_MAX_LEN else None,
+            ts_w, pos_w, bucket.positions_GN, bucket.history_lengths_G, bucket.lengths_G,
+            max_seq_len=p.max_seq_len, num_buckets=p.num_time_buckets, alpha=p.alpha,
+            divisor=p.time_bucket_divisor)
+        return _scale_rows(out, _inv_n_GN(bucket, p), 0, N).to(v.dtype)
+
+
 class _HSTUChunkedFn(torch.autograd.Function):
+    """Query blocks of [N, N] tiles, recomputed in backward: mixed dtypes through the C tile's
+    elementwise pass, float64 and the no-library mode in PyTorch."""
+
     @staticmethod
     def forward(ctx, q, k, v, ts_w, pos_w, bucket, p):
         with torch.autocast(q.device.type, enabled=False):
@@ -270,13 +288,6 @@ class _HSTUChunkedFn(torch.autograd.Function):
             bq = _block_rows(G, H, N, p)
             inv_n = _inv_n_GN(bucket, p)
             fused = _fused_state(q, k, v, ts_w, pos_w, bucket, p)
-            if fused is not None and _one_pass(q, k, v):
-                # fp32 / bf16: the whole forward in one native pass (the backward recomputes the scores)
-                out = _fused.attention_forward(fused(0, N), q.float(), k.float(), v.float())
-                out = _scale_rows(out, inv_n, 0, N).to(v.dtype)
-                ctx.save_for_backward(q, k, v, ts_w, pos_w)
-                ctx.bucket, ctx.p = bucket, p
-                return out
             out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             for i0 in range(0, N, bq):
                 i1 = min(N, i0 + bq)
@@ -306,11 +317,6 @@ class _HSTUChunkedFn(torch.autograd.Function):
             if fused is not None:  # the C tile sums bias grads in float64
                 d_ts64 = None if ts_w is None else torch.zeros(ts_w.shape, dtype=torch.float64)
                 d_pos64 = None if pos_w is None else torch.zeros(pos_w.shape, dtype=torch.float64)
-            if fused is not None and _one_pass(q, k, v):  # the whole backward natively, one pass
-                dq, dk, dv = _fused.attention_backward(fused(0, N), q.float(), k.float(), v.float(),
-                                                       _scale_rows(dout.float(), inv_n, 0, N), d_ts64, d_pos64)
-                return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None if ts_w is None else d_ts64.to(ts_w.dtype),
-                        None if pos_w is None else d_pos64.to(pos_w.dtype), None, None)
             acc = torch.promote_types(q.dtype, torch.float32)  # accumulate grads in >= fp32
             dq = torch.empty_like(q)
             dk = torch.zeros(k.shape, dtype=acc, device=k.device)
@@ -373,7 +379,11 @@ def hstu_attention_chunked(q_THd, k_THd, v_THd, layout: JaggedLayout, ts_w, pos_
         return triton_hstu.hstu_attention_triton(q_THd, k_THd, v_THd, layout, ts_w, pos_w, p)
     parts = []
     for bucket, (q, k, v) in _bucketed_qkv(q_THd, k_THd, v_THd, layout, p.bucket_min_fill):
-        parts.append(_HSTUChunkedFn.apply(q.contiguous(), k.contiguous(), v.contiguous(), ts_w, pos_w, bucket, p))
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if p.fused and _one_pass(q, k, v) and _fused.supports(q, k, v, ts_w, pos_w):
+            parts.append(_one_pass_attention(q, k, v, ts_w, pos_w, bucket, p))
+        else:
+            parts.append(_HSTUChunkedFn.apply(q, k, v, ts_w, pos_w, bucket, p))
     return _unbucketed(parts, layout)
 
 
