@@ -6,9 +6,11 @@
 
 Endpoints:
     POST /v1/rank       one request (see `rank_body_model`) -> ranked items with per-task probabilities
-    GET  /healthz       200 with the model version and dtype once a model is loaded
+    GET  /healthz       200 with the model version and dtype once a model is loaded, its
+                        artifact directory and the deltas applied on top of it, in order
     GET  /metrics       Prometheus text: request counts by endpoint and status, latency
-                        histogram, dynamic batch sizes, the served model version, reloads
+                        histogram, dynamic batch sizes, the served model version, reloads,
+                        the tables' hot-row cache hits and misses
     POST /admin/reload  off unless the server has a reload token (404 otherwise). With
                         `Authorization: Bearer TOKEN` and {"artifact": DIR} (optional; default:
                         the served directory again): loads the new artifact beside the old one,
@@ -348,7 +350,7 @@ def create_app(artifact_dir: str | Path, *, serving_cfg: ServingConfig | None = 
     ranker = load_artifact(artifact_dir, serving_cfg)
     body_model = rank_body_model(serving_cfg.max_request_events)
     launched = _real(artifact_dir)
-    state = {"artifact": str(artifact_dir), "real": launched}
+    state = {"artifact": str(artifact_dir), "real": launched, "deltas": []}
     metrics.model.labels(ranker.version, ranker.dtype).set(1)
     batcher = Batcher(ranker, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
                       metrics=metrics, workers=workers, threads=threads)
@@ -392,7 +394,8 @@ def create_app(artifact_dir: str | Path, *, serving_cfg: ServingConfig | None = 
     @app.get("/healthz")
     async def healthz():
         r = batcher.ranker
-        return {"status": "ok", "model_version": r.version, "dtype": r.dtype, "artifact": state["artifact"]}
+        return {"status": "ok", "model_version": r.version, "dtype": r.dtype, "artifact": state["artifact"],
+                "deltas": list(state["deltas"])}
 
     @app.get("/metrics")
     async def prometheus():
@@ -445,8 +448,10 @@ def create_app(artifact_dir: str | Path, *, serving_cfg: ServingConfig | None = 
             except Exception as e:  # noqa: BLE001 (whatever the files do to the loader, the old model serves on)
                 return refuse("refused", 400, f"{result_key} refused: {type(e).__name__}: {e}", field)
             batcher.ranker = new
-            if field == "artifact":
-                state.update(artifact=raw or state["artifact"], real=target)
+            if field == "artifact":  # a reload serves the artifact alone, without earlier deltas
+                state.update(artifact=raw or state["artifact"], real=target, deltas=[])
+            else:
+                state["deltas"].append(raw)
             if (old.version, old.dtype) != (new.version, new.dtype):
                 metrics.model.remove(old.version, old.dtype)
             metrics.model.labels(new.version, new.dtype).set(1)

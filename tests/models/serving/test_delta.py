@@ -171,8 +171,14 @@ def test_a_server_applies_a_delta_while_serving(versions):
             stop.set()
             for t in threads:
                 t.join()
-            assert c.get("/healthz").json()["model_version"] == "v2"
+            health = c.get("/healthz").json()
+            assert health["model_version"] == "v2" and health["deltas"] == [str(deltas["v2"])]
+            assert health["artifact"] == str(arts["v1"])
             metrics = c.get("/metrics").text
+            # A reload serves the artifact alone again: no delta on top.
+            assert c.post("/admin/reload", json={}, headers=auth).status_code == 200
+            health = c.get("/healthz").json()
+            assert health["model_version"] == "v1" and health["deltas"] == []
     assert re.search(r'genrec_table_cache_rows\{outcome="hits",table="t_item_id"\} [1-9]', metrics), metrics
     # Every answer is one version's answer, whole. Within 1e-5, as a request batched with
     # another is answered (test_serving's batched-vs-single contract): the batch runs its
