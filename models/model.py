@@ -466,7 +466,9 @@ class GenerativeRecommender(nn.Module):
             logits = self.ranking_logits(cand_states)
             labels = batch.labels_CL[:, self.label_index].float()
             for i, task in enumerate(self.cfg.ranking_tasks):
-                bce = F.binary_cross_entropy_with_logits(logits[:, i], labels[:, i])
+                # No candidate in the batch (windows of one event): zero, not an empty mean's NaN.
+                bce = (F.binary_cross_entropy_with_logits(logits[:, i], labels[:, i]) if logits.shape[0]
+                       else logits[:, i].sum())
                 loss = loss + self.cfg.task_weights[i] * bce
                 parts[f"{task}_loss"] = float(bce.detach())
         return loss, parts

@@ -174,6 +174,24 @@ def test_every_negative_mode_trains(prepared, tmp_path, negatives):
     assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("retrieval", [True, False])
+def test_a_batch_without_candidates_or_targets_has_a_zero_loss_not_nan(prepared, tmp_path, retrieval):
+    """Windows of one event leave no candidate (ranking) and no next item (retrieval): a
+    short last batch of such users must not turn the loss, and every weight after the
+    step, into NaN."""
+    from genrec.data.loader import make_loader
+
+    cfg, net = _model(prepared, tmp_path, retrieval=retrieval, ranking=True)
+    cfg.data.loader.mode, cfg.data.loader.max_seq_len = "ranking", 1
+    batch = next(iter(make_loader(prepared / "train", cfg.data.features, cfg.data.loader)))
+    assert batch.candidate_timestamps_C.numel() == 0
+    loss, parts = net(batch)
+    assert torch.isfinite(loss) and float(loss) == 0.0, parts
+    assert all(v == v for v in parts.values()), parts  # no NaN part either
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters() if p.grad is not None)
+
+
 @pytest.mark.parametrize("similarity", ["cosine", "dot"])
 def test_full_softmax_is_the_exact_cross_entropy_over_the_corpus(prepared, tmp_path, similarity):
     """Cosine: L2-normalized states and rows over the temperature; "dot": raw inner products
