@@ -96,16 +96,18 @@ def empty_batch(features) -> Batch:
 @torch.no_grad()
 def evaluate_retrieval(
     model: GenerativeRecommender, batches: Iterable[Batch], ks: Sequence[int] = (10, 50, 200),
-    window: int | None = None,
+    window: int | None = None, max_users: int | None = None,
 ) -> dict[str, float]:
     """HR@K, NDCG@K and MRR over all ranks' users (summed across ranks when distributed).
     `batches` carry whole histories (seen items are all of them); the model reads the last
-    `window` events, as `genrec eval` does."""
+    `window` events, as `genrec eval` does. `max_users`: this rank counts its first users
+    up to this many (the rest of a batch that crosses it is scored and not counted)."""
     item_corpus = model.item_corpus
     item_emb_ND = model.item_embeddings(item_corpus)
     metrics = RetrievalMetrics(ks=ks, keep_ranks=False)
     for batch in batches:
-        metrics.update_ranks(batch_ranks(model, batch, item_corpus, item_emb_ND, window))
+        ranks = batch_ranks(model, batch, item_corpus, item_emb_ND, window)
+        metrics.update_ranks(ranks if max_users is None else ranks[: max(max_users - metrics.count, 0)])
     names = metrics.metric_names
     local = metrics.compute()
     sums = all_reduce_sum([metrics.count] + [(local[n] or 0.0) * metrics.count for n in names])

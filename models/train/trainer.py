@@ -374,11 +374,13 @@ class Trainer:
         batch_size = self.cfg.train.eval_batch_size or validation_batch_size(
             self.cfg.data.loader.batch_size, int(self.model.item_corpus.numel()))
         max_users, world = self.cfg.train.eval_max_users, self.dist.world_size
-        if max_users:  # whole batches of up to max_users in all: batches larger would score more
+        # This rank's share of max_users (the first ranks one more), in batches of at most it.
+        share = max_users // world + (self.dist.rank < max_users % world) if max_users else None
+        if max_users:
             batch_size = min(batch_size, -(-max_users // world))
         loader = eval_loader(self.cfg, "valid", rank=self.dist.rank, world_size=world,
                              full_history=True, batch_size=batch_size)
-        mine = len(loader) if not max_users else min(len(loader), -(-max_users // (batch_size * world)))
+        mine = len(loader) if not max_users else min(len(loader), -(-share // batch_size))
         # Every user is scored (no rank's share cut to the smallest): a rank out of users takes
         # empty batches until the others are done, since the store's lookups are collective.
         most = int(max(all_reduce_sum([mine if r == self.dist.rank else 0 for r in range(world)])))
@@ -388,7 +390,7 @@ class Trainer:
         # In fp32, as `genrec eval` scores: the two must agree on the best checkpoint's metric.
         with gathered(self.model):
             result = evaluate_retrieval(self.model, batches, ks=VALIDATION_KS,
-                                        window=self.cfg.data.loader.max_seq_len)
+                                        window=self.cfg.data.loader.max_seq_len, max_users=share)
         self.model.train()
         return {f"valid/{k}": v for k, v in result.items()}
 

@@ -316,6 +316,15 @@ def _run_training(rank: int, world_size: int, port: int, cfg_json: str, result_p
         torch.save({"losses": losses}, f"{result_path}.{rank}")
 
 
+def test_eval_max_users_is_the_count_scored_over_three_ranks(prepared, tmp_path):
+    """16 users over 3 ranks are shares of 6, 5 and 5, not whole per-rank batches of 6 (18)."""
+    cfg = tiny_config(prepared, tmp_path / "run", max_steps=1, eval_every=1, checkpoint_every=1000,
+                      eval_max_users=16)
+    _spawn(_run_training, 3, json.dumps(to_dict(cfg)))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["valid/num_users"] for r in records if "valid/num_users" in r] == [16]
+
+
 def test_train_end_to_end_on_two_ranks(prepared, tmp_path):
     # Validation batches of 59 users: the ranks' shares (59 and 60 users) take 1 and 2 batches.
     cfg = tiny_config(prepared, tmp_path / "run", max_steps=6, eval_every=3, eval_max_users=0, eval_batch_size=59)
