@@ -162,7 +162,7 @@ class SequenceDataset(IterableDataset):
         self.skip_batches = [0] * self.num_workers
         self.limit_batches = [0] * self.num_workers
         self.resumed: tuple[int, np.ndarray] | None = None
-        """(epoch, pieces [P, 6]) of an epoch resumed from another world size: what the
+        """(epoch, pieces [P, 7]) of an epoch resumed from another world size: what the
         saved plan had not read, dealt anew (see `remaining_pieces`)."""
         self._pieces: tuple[int, np.ndarray] | None = None  # the last epoch_pieces
         self._files: dict[int, pq.ParquetFile] = {}
@@ -416,6 +416,12 @@ class SequenceLoader:
 
     def __len__(self) -> int:
         return len(self.dataset.schedule(self.epoch))
+
+    def num_rows(self) -> int:
+        """Rows this rank's plan reads in the current epoch (before `drop_last` and
+        `equal_batches_per_rank` cut any)."""
+        ds = self.dataset
+        return sum(int(ds.worker_pieces(self.epoch, ds.rank, w)[:, TAKE].sum()) for w in range(ds.num_workers))
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.batches_done = epoch, 0

@@ -268,7 +268,7 @@ def _one_pass_attention(q, k, v, ts_w, pos_w, bucket: LengthBucket, p: HSTUAtten
     timed = ts_w is not None
     with torch.autocast(q.device.type, enabled=False):
         out = hstu_op.attention(
-            q.float(), k.float(), v.float(), bucket.timestamps_GN if timed else None,
+            q, k, v, bucket.timestamps_GN if timed else None,
             _own_or(bucket.query_timestamps_GN, bucket.timestamps_GN) if timed else None,
             _fused_time_index(bucket, p) if timed and N <= TIME_INDEX_MAX_LEN else None,
             ts_w, pos_w, bucket.positions_GN, bucket.history_lengths_G, bucket.lengths_G,

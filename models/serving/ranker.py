@@ -191,8 +191,8 @@ class Ranker:
         for name, meta in m["tables"].items():
             for f in meta["features"]:
                 self.table_of[f] = contents.tables[name]
-        if self.cfg.table_cache_mb < 0:
-            raise ValueError(f"ServingConfig.table_cache_mb must be >= 0, got {self.cfg.table_cache_mb}")
+        if not 0 <= self.cfg.table_cache_mb < float("inf"):
+            raise ValueError(f"ServingConfig.table_cache_mb must be a finite number >= 0, got {self.cfg.table_cache_mb}")
         cache_bytes = int(self.cfg.table_cache_mb * 2**20)
         for table in contents.tables.values():
             # A live delta's model keeps its base's caches (its tables share the base's rows).

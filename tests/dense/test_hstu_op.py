@@ -103,3 +103,31 @@ def test_a_compiled_function_traces_the_op_without_a_graph_break():
     torch.testing.assert_close(got, eager)
     for g, e in zip(got_grads, eager_grads):
         torch.testing.assert_close(g, e)
+
+
+def test_bf16_inputs_are_kept_in_bf16_for_the_backward():
+    """The op widens bf16 inside: autograd saves the bf16 tensors, not fp32 copies (twice
+    the activation memory), and the gradients come back in bf16."""
+    x = _inputs(4)
+    for n in ("q", "k", "v"):
+        x[n] = x[n].bfloat16().requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dim(), t.dtype)) or t, lambda t: t):
+        y = _call(x)
+    assert [dtype for dim, dtype in saved if dim == 4] == [torch.bfloat16] * 3  # q, k, v
+    grads = torch.autograd.grad(y.sum(), [x["q"], x["k"], x["v"]])
+    assert all(g.dtype == torch.bfloat16 for g in grads)
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda x: x.update(lens=x["lens"].int()), "lens must be torch.int64"),
+    (lambda x: x.update(v=x["v"].double()), "share fp32 or bf16"),
+    (lambda x: x.update(ts=None), "needs the keys' times"),
+    (lambda x: x.update(tidx=torch.zeros(G, N, N - 1, dtype=torch.uint8)), "tidx must be"),
+    (lambda x: x.update(pos_w=torch.zeros(P + 1)), "pos_w must be"),
+])
+def test_what_the_kernel_would_misread_is_refused(change, error):
+    x = _inputs(5)
+    change(x)
+    with pytest.raises((TypeError, ValueError), match=error):
+        _call(x)

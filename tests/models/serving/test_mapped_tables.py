@@ -140,3 +140,9 @@ def test_a_truncated_table_file_is_refused_naming_it(artifact, tmp_path):
         f.truncate(path.stat().st_size - 4096)
     with pytest.raises(ValueError, match="tables/t_item_id.safetensors"):
         load_artifact(bad)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_a_cache_bound_that_is_not_a_finite_size_is_refused_naming_the_key(artifact, bad):
+    with pytest.raises(ValueError, match="table_cache_mb"):
+        load_artifact(artifact[0], ServingConfig(max_k=50, table_cache_mb=bad))
