@@ -9,7 +9,8 @@ row's last event is the held-out target, everything before it the user's history
 - Retrieval, full corpus: the target's rank among all items of the model's corpus (the
   prepared data's training items), the items of the user's *whole* history removed (not
   only the `data.loader.max_seq_len` window the model reads), pessimistic ties. A target
-  that is not in the corpus is a miss (rank N). HR@K and NDCG@K for K in 10, 50, 200; MRR.
+  that is not in the corpus is a miss at every K (its reciprocal rank 0). HR@K and NDCG@K
+  for K in 10, 50, 200; MRR.
 - Ranking (models with a ranking head): the row's last `ranking_candidates` events are
   scored as candidates after the history before them, under the target-aware mask as in
   training; AUC, GAUC, log loss, NE, calibration and a reliability curve per task. With one
@@ -386,22 +387,26 @@ def _check_labels(rows: _Rows, labels: list[str], split_dir: Path) -> None:
 
 def _run_comparisons(runs_a: list, runs_b: list, boot: dict) -> dict[str, dict]:
     """Paired comparisons of the runs of recipe A with those of recipe B (report keys). One
-    run of A: A minus each of B's, keyed by B's name, as always. Several: each pair (A's i-th
-    run minus B's i-th, when both give as many) and the mean of A's runs minus the mean of
-    B's (`MeanOfRuns`)."""
+    run of A: A minus each of B's, keyed by B's name, as always. Several runs on either
+    side: each pair (A's i-th run minus B's i-th, when both give as many) and the mean of
+    A's runs minus the mean of B's (`MeanOfRuns`; a side of one run is its own mean)."""
     def pair(a, b) -> dict:
         return compare_models(a.retrieval, b.retrieval, a.ranking, b.ranking, **boot)
 
-    if len(runs_a) == 1:
-        return {b.name: pair(runs_a[0], b) for b in runs_b}
     if not runs_b:
         return {}
-    out = {f"{a.name} minus {b.name}": pair(a, b) for a, b in zip(runs_a, runs_b)} if len(runs_a) == len(runs_b) else {}
+    if len(runs_a) == 1:
+        out = {b.name: pair(runs_a[0], b) for b in runs_b}
+        if len(runs_b) == 1:
+            return out
+    else:
+        out = ({f"{a.name} minus {b.name}": pair(a, b) for a, b in zip(runs_a, runs_b)}
+               if len(runs_a) == len(runs_b) else {})
     # Ranking is averaged only where every run of a side has a ranking head.
     mean_a, mean_b = (MeanOfRuns([r.retrieval for r in runs],
                                  [r.ranking for r in runs] if all(r.ranking is not None for r in runs) else [])
                       for runs in (runs_a, runs_b))
-    label = f"mean of {len(runs_a)} runs minus mean of {len(runs_b)} compare runs"
+    label = f"mean of {len(runs_a)} run{'s' * (len(runs_a) > 1)} minus mean of {len(runs_b)} compare runs"
     out[label] = compare_models(mean_a, mean_b, mean_a if mean_a.tasks else None, mean_b if mean_b.tasks else None,
                                 **boot)
     return out

@@ -129,15 +129,23 @@ def rank_of_target(
     return rank_B - torch.bincount(rows_E[counted_E], minlength=num_users)
 
 
+MISSED = 1 << 62
+"""The rank of a target the corpus does not hold: a miss at every K, reciprocal rank 0 (a
+rank of N would be a hit at K > N)."""
+
+
 def retrieval_values_from_ranks(ranks_U: np.ndarray | torch.Tensor, ks: Sequence[int]) -> dict[str, np.ndarray]:
-    """Per-user metric values (float64 [U]) keyed `hr@K`, `ndcg@K`, `mrr`."""
-    ranks_U = np.asarray(torch.as_tensor(ranks_U).cpu(), dtype=np.float64)
+    """Per-user metric values (float64 [U]) keyed `hr@K`, `ndcg@K`, `mrr`; a rank of
+    `MISSED` scores 0 in all."""
+    ranks_U = np.asarray(torch.as_tensor(ranks_U).cpu(), dtype=np.int64)
+    found_U = ranks_U < MISSED
+    ranks_U = np.where(found_U, ranks_U, 0).astype(np.float64)
     out: dict[str, np.ndarray] = {}
     for k in ks:
-        hit_U = ranks_U < k
+        hit_U = found_U & (ranks_U < k)
         out[f"hr@{k}"] = hit_U.astype(np.float64)
         out[f"ndcg@{k}"] = np.where(hit_U, 1.0 / np.log2(ranks_U + 2.0), 0.0)
-    out["mrr"] = 1.0 / (ranks_U + 1.0)
+    out["mrr"] = np.where(found_U, 1.0 / (ranks_U + 1.0), 0.0)
     return out
 
 

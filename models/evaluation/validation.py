@@ -3,7 +3,7 @@
 Every user's held-out target is ranked against the whole item corpus (the prepared
 data's item list), with the items already in the user's history removed. A target that
 is not in the corpus (an item never seen in training) cannot be retrieved and counts as
-a miss at rank N.
+a miss at every K (rank `metrics.MISSED`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from genrec.data.batch import Batch
 from genrec.models.ids import sorted_positions
 from genrec.models.ranks import all_reduce_sum
-from genrec.models.evaluation.metrics import RetrievalMetrics, rank_of_target
+from genrec.models.evaluation.metrics import MISSED, RetrievalMetrics, rank_of_target
 from genrec.models.model import GenerativeRecommender
 
 
@@ -37,7 +37,8 @@ def target_ranks(
     seen_ids_S: torch.Tensor, seen_lengths_B: torch.Tensor,
 ) -> torch.Tensor:
     """0-based rank of each target among the corpus scores, the user's seen items (jagged ids,
-    those outside the corpus ignored) excluded; a target outside the corpus ranks N: int64 [B]."""
+    those outside the corpus ignored) excluded; a target outside the corpus ranks `MISSED`
+    (a miss at every K): int64 [B]."""
     num_users = len(target_ids_B)
     target_pos_B, target_found_B = sorted_positions(item_corpus, target_ids_B)
     seen_pos_S, seen_found_S = sorted_positions(item_corpus, seen_ids_S)
@@ -45,7 +46,7 @@ def target_ranks(
     counts_B = torch.bincount(rows_S[seen_found_S], minlength=num_users)
     seen = (seen_pos_S[seen_found_S], torch.ops.fbgemm.asynchronous_complete_cumsum(counts_B))
     ranks_B = rank_of_target(scores_BN, target_pos_B, seen).cpu()
-    return torch.where(target_found_B, ranks_B, torch.full_like(ranks_B, len(item_corpus)))
+    return torch.where(target_found_B, ranks_B, torch.full_like(ranks_B, MISSED))
 
 
 def last_window(batch: Batch, window: int | None) -> Batch:

@@ -242,6 +242,11 @@ def test_several_runs_per_side_compare_per_pair_and_as_means(trained, report, tm
     means = {k: v for k, v in rep.items() if k.startswith("comparisons.mean of 2 runs minus mean of 2 compare runs.")}
     assert means and all(v == 0.0 for k, v in means.items() if k.endswith((".diff", ".low", ".high")))
     assert rep["config"]["eval"]["runs"] == [str(run), str(seed1)]
+    # One run against two: each of them, and the mean of the two (the recipe's figure).
+    one = _evaluate(run, data, tmp_path / "one", compare=[seed1, run])
+    mean = "comparisons.mean of 1 run minus mean of 2 compare runs.retrieval.mrr.diff"
+    assert one[mean] == pytest.approx(first["retrieval.mrr"] - (rep["baselines.seed1 (compare).retrieval.mrr"]
+                                                                + first["retrieval.mrr"]) / 2)
 
 
 def _copy_data(data: Path, to: Path) -> Path:

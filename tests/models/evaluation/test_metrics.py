@@ -488,3 +488,20 @@ def test_user_shares_count_min_of_the_cap_and_the_users_as_evenly_as_the_ranks_a
         assert all(s >= top - 1 or s == a for s, a in zip(shares, available)), (total, available, shares)
     assert user_shares(16, [100, 100, 100]) == [6, 5, 5]
     assert user_shares(300, [84, 65, 71, 80]) == [84, 65, 71, 80]
+
+
+def test_a_target_outside_the_corpus_is_a_miss_at_every_k_even_above_the_corpus_size():
+    from genrec.models.evaluation.metrics import RetrievalMetrics
+    from genrec.models.evaluation.validation import target_ranks
+
+    corpus = torch.arange(10, 160)  # N = 150 < K = 200
+    scores = torch.randn(3, 150, generator=torch.Generator().manual_seed(0))
+    ranks = target_ranks(scores, torch.tensor([11, 5, 999]), corpus, torch.tensor([], dtype=torch.long),
+                         torch.zeros(3, dtype=torch.long))
+    metrics = RetrievalMetrics(ks=(10, 200), keep_ranks=True)
+    metrics.update_ranks(ranks)
+    result = metrics.compute()
+    # Users 1 and 2 (targets 5 and 999 are not items of the corpus) score nothing; user 0 ranks.
+    assert result["hr@200"] == pytest.approx(1 / 3) and result["mrr"] == pytest.approx(1 / (int(ranks[0]) + 1) / 3)
+    assert metrics.per_user()["hr@200"].tolist() == [1.0, 0.0, 0.0]
+    assert metrics.per_user()["mrr"].tolist()[1:] == [0.0, 0.0]
