@@ -61,10 +61,7 @@ class TableStore:
         "reference" (the same in PyTorch: same rows bit for bit, slower)."""
         if kernels not in ("native", "reference"):
             raise ValueError(f"sparse config: kernels must be 'native' or 'reference', got {kernels!r}")
-        self.cfg = cfg
-        self.dim = cfg.embedding_dim
-        self.width = optim.row_width(cfg)
-        self.device = device
+        self.cfg, self.dim, self.width, self.device = cfg, cfg.embedding_dim, optim.row_width(cfg), device
         self.ssd_dir, self.slab_rows, self.unlink_slabs, self.generation = ssd_dir, slab_rows, unlink_slabs, generation
         cpu = torch.device("cpu")
         self.tiers = [
@@ -77,8 +74,7 @@ class TableStore:
         # device hit: leave it in place instead of moving it up and another row down
         # (measured: moves dominated step time on Zipf streams). On CUDA host hits move up.
         self.keep_host_hits = device.type == "cpu"
-        self.kernels = kernels
-        self.native = kernels == "native"
+        self.kernels, self.native = kernels, kernels == "native"
         # Native row kernels read and write tier memory directly: CPU tiers only (on CUDA the
         # device tier's rows go through PyTorch; the index stays native).
         self.native_rows = self.native and device.type == "cpu"
@@ -92,8 +88,7 @@ class TableStore:
         self.clock_hand = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
         self.pending = PendingCounters(cfg)
         self.step = 0  # counts training lookups (forwards), not steps: finer LRU order within a step
-        # Steps: the open one began at lookup `window_start`; done once its backward ran.
-        self.window_start, self.step_done = 1, True
+        self.window_start, self.step_done = 1, True  # the open step began at this lookup; done: backward ran
         self.version = 0  # bumped whenever any row changes tier or slot, and by every optimizer step
         self.moves = 0  # bumped whenever any row changes tier or slot (a native location's validity)
         self.last_locations = self.last_sweep = None
@@ -101,8 +96,8 @@ class TableStore:
         # after it while track_removals (given up, None, past a table's worth).
         self.snapshot_step, self.track_removals, self._removed_count = 0, False, 0
         self.removed_since_snapshot: list[torch.Tensor] | None = []
-        self.hits = torch.zeros(3, dtype=torch.int64)  # unique ids served per tier (the native lookup adds in place)
-        self.misses = 0
+        # Unique ids served per tier (the native lookup adds in place), and rows created.
+        self.hits, self.misses = torch.zeros(3, dtype=torch.int64), 0
 
     # ---------------------------------------------------------------- locating rows
     def _tier_view(self) -> torch.Tensor:
@@ -336,11 +331,12 @@ class TableStore:
             u, done, _, _, _, loc_U, values_UD = self._native_lookup(ids_U, counts_U.contiguous(), now, out=True)
             if done:
                 self.last_locations = (self.moves, loc_U)
+                self._enforce_max_rows()  # on every path: where rows sit must not decide what stays
                 return values_UD, torch.ones_like(ids_U, dtype=torch.bool)
             return self._lookup_moving(ids_U, counts_U, loc_U & 3, loc_U >> 2, now)
         tier_U, slot_U = self._locate(ids_U)
         top = self._top_tier()
-        if self.cfg.ttl_seconds is None and bool((tier_U == top).all()):
+        if self.cfg.ttl_seconds is None and ids_U.numel() and bool((tier_U == top).all()):
             return self._lookup_resident(ids_U, counts_U, slot_U, top)
         return self._lookup_moving(ids_U, counts_U, tier_U, slot_U, now)
 
@@ -351,7 +347,9 @@ class TableStore:
         self._begin_lookup(now)
         u, done, inv_N, uniq_U, cnt_U, loc_U, out_ND = self._native_lookup(ids_N, None, now, out=True)
         if done:
-            return out_ND, _FusedGrad(self.moves, inv_N, uniq_U, loc_U, None, now)
+            ctx = _FusedGrad(self.moves, inv_N, uniq_U, loc_U, None, now)
+            self._enforce_max_rows()  # on every path (a row dropped changes `moves`: the backward locates again)
+            return out_ND, ctx
         values_UD, admitted_U = self._lookup_moving(uniq_U, cnt_U, loc_U & 3, loc_U >> 2, now)
         return values_UD.index_select(0, inv_N), _FusedGrad(-1, inv_N, uniq_U, None, admitted_U, now)
 
@@ -427,8 +425,7 @@ class TableStore:
             self.clock_ref[t][slots] = ref.clamp(max=self.clock_max).to(torch.uint8)
 
     def _lookup_resident(self, ids_U, counts_U, slot_U, top: int):
-        """Fast path: every id already has a row in the top tier and no TTL applies, so
-        nothing moves; only the access metadata changes."""
+        """Fast path: every id has a row in the top tier, no TTL: nothing moves but metadata."""
         tier = self.tiers[top]
         meta_C3 = tier.meta.slabs[0]
         meta_C3[:, META_LAST_ACCESS].index_fill_(0, slot_U, self.step)
@@ -439,6 +436,7 @@ class TableStore:
         # If no row moves or changes before this call's backward (same version), the
         # backward updates this copy and writes it back without locating or reading again.
         self.last_locations = (self.version, top, slot_U, rows_UW)
+        self._enforce_max_rows()  # a row dropped changes the version: the backward then locates again
         return rows_UW[:, : self.dim].to(self.device), torch.ones_like(ids_U, dtype=torch.bool)
 
     def lookup_eval(self, ids_U: torch.Tensor, now: int | None) -> torch.Tensor:
@@ -542,8 +540,10 @@ class TableStore:
         return torch.unique(torch.cat(self.removed_since_snapshot))
 
     def mark_snapshot(self) -> None:
-        """A snapshot of this store's present state was saved or loaded."""
-        self.snapshot_step, self.removed_since_snapshot, self._removed_count = self.step, [], 0
+        """A snapshot of this store's present state was saved or loaded. Saved in an open
+        step, that step's rows (updated after it) go into the next delta too."""
+        step = self.step if self.step_done else self.window_start - 1
+        self.snapshot_step, self.removed_since_snapshot, self._removed_count = step, [], 0
 
     def all_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids [N], rows [N, W], meta [N, 3]) of every materialized row (in memory)."""

@@ -301,6 +301,60 @@ def test_max_rows_drops_least_recent_rows():
     assert tier_of(tec, "t", [1, 2, 3, 4, 5]) == ["absent", "absent", "host", "device", "device"]
 
 
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+def test_max_rows_keeps_the_same_rows_whatever_the_cache_sizes(kernels):
+    """A step whose own rows exceed max_rows leaves the table over it; the next lookup trims
+    it whichever path serves it (rows in place or moved): the cache sizes must not decide
+    which rows survive, nor their values."""
+    def run(device_rows, host_rows):
+        cfg = TableConfig(name="t", embedding_dim=4, feature_names=["f"], device_rows=device_rows,
+                          host_rows=host_rows, max_rows=8, learning_rate=0.1, seed=1)
+        tec = TieredEmbeddingCollection(SparseConfig(tables=[cfg], ssd_slab_rows=4, kernels=kernels))
+        outs = [train_step(tec, kjt_of({"f": [ids]}))["f"].values().detach()
+                for ids in (list(range(12)), [11], [11], [1], [2])]
+        ids, rows, _ = tec.stores["t"].all_rows()
+        order = torch.argsort(ids)
+        return outs, ids[order], rows[order]
+
+    (outs_a, ids_a, rows_a), (outs_b, ids_b, rows_b) = run(16, 16), run(1, 1)
+    assert ids_a.tolist() == ids_b.tolist() and len(ids_a) <= 8
+    assert torch.equal(rows_a, rows_b) and all(torch.equal(x, y) for x, y in zip(outs_a, outs_b))
+
+
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+def test_an_empty_lookup_of_an_ssd_only_table_trains(kernels, tmp_path):
+    """A rank that owns none of a batch's ids looks up nothing; tables planned onto the SSD
+    tier alone (no device or host rows) must take that too."""
+    cfg = TableConfig(name="t", embedding_dim=4, feature_names=["f"], device_rows=0, host_rows=0)
+    tec = TieredEmbeddingCollection(SparseConfig(tables=[cfg], ssd_slab_rows=4, kernels=kernels,
+                                                 ssd_dir=str(tmp_path)))
+    train_step(tec, kjt_of({"f": [[1, 2]]}))
+    out = train_step(tec, kjt_of({"f": [[]]}))
+    assert out["f"].values().shape == (0, 4)
+    train_step(tec, kjt_of({"f": [[2, 3]]}))
+    assert tier_of(tec, "t", [1, 2, 3]) == ["ssd", "ssd", "ssd"]
+
+
+def test_a_snapshot_saved_between_a_forward_and_its_backward_loses_no_update(tmp_path):
+    """The open step's rows are saved before their update: the next delta carries them."""
+    cfg = TableConfig(name="t", embedding_dim=4, feature_names=["f"], device_rows=4, host_rows=4,
+                      learning_rate=0.1, seed=1)
+    sparse = SparseConfig(tables=[cfg], ssd_slab_rows=4, snapshot_max_deltas=4)
+    tec = TieredEmbeddingCollection(sparse)
+    train_step(tec, kjt_of({"f": [[1, 2, 3]]}))
+    out = tec(kjt_of({"f": [[1, 2]]}))
+    tec.save_snapshot(str(tmp_path / "s"))  # between the forward and its backward
+    (out["f"].values().sum() + out["f"].values().square().sum()).backward()
+    train_step(tec, kjt_of({"f": [[3]]}))
+    tec.save_snapshot(str(tmp_path / "s"))  # a delta on the first
+    restored = TieredEmbeddingCollection(sparse)
+    restored.load_snapshot(str(tmp_path / "s"))
+    live, back = (t.stores["t"].all_rows() for t in (tec, restored))
+    order_live, order_back = torch.argsort(live[0]), torch.argsort(back[0])
+    assert torch.equal(live[0][order_live], back[0][order_back])
+    assert torch.equal(live[1][order_live], back[1][order_back])
+
+
 def test_prefetch_brings_rows_up_without_changing_values():
     cfg = TableConfig(name="t", embedding_dim=2, feature_names=["f"], device_rows=2, host_rows=2)
     tec = TieredEmbeddingCollection(SparseConfig(tables=[cfg], ssd_slab_rows=4))
