@@ -82,6 +82,7 @@ from genrec.models.evaluation.slices import (
 )
 from genrec.models.model import GenerativeRecommender, interleave_jagged
 from genrec.models.evaluation.report import collect_versions, write_report
+from genrec.models.build import load_item_corpus
 from genrec.models.evaluation.validation import target_ranks
 from genrec.models.ids import jagged_ranges, sorted_positions
 
@@ -167,6 +168,16 @@ def load_scored(path: str | Path, data_dir: Path) -> _Scored:
         window = int(job.get("data", {}).get("loader", {}).get("max_seq_len", max_tokens - 1))
         config = {"artifact": {k: ranker.manifest[k] for k in ("version", "dtype", "features", "model", "tower")},
                   "job_config": job}
+        # An artifact ranks over its own item index, which it may have been exported with from
+        # other data: say so, since its figures then compare with no checkpoint's on this data.
+        data_items, _ = load_item_corpus(data_dir)
+        if not torch.equal(data_items, ranker.item_ids_N):
+            shared = int(sorted_positions(data_items, ranker.item_ids_N)[1].sum())
+            config["corpus"] = {"artifact_items": int(ranker.item_ids_N.numel()),
+                                "data_items": int(data_items.numel()), "shared": shared}
+            print(f"genrec eval: warning: {path} ranks over its own item index ({ranker.item_ids_N.numel()} "
+                  f"items), not the corpus of {data_dir} ({data_items.numel()} items, {shared} in both): its "
+                  "figures are not comparable with a checkpoint's on this data", file=sys.stderr, flush=True)
         name = f"{path.name} ({ranker.dtype})"
         return _Scored(name=name, source=str(path), model=model, features=ranker.features, tasks=ranker.tasks,
                        window=window, max_tokens=max_tokens, config=config)

@@ -324,3 +324,12 @@ def test_exported_artifact_evaluates_like_its_checkpoint(trained, report, tmp_pa
     # from the store, so the figures agree closely, not exactly.
     for key in ("retrieval.mrr", "retrieval.hr@50", "ranking.click.auc", "ranking.click.logloss"):
         assert got[key] == pytest.approx(want[key], abs=0.05), key
+    assert "corpus" not in got["config"]["run"]  # the data's own corpus
+    # An artifact whose item index is not this data's corpus is evaluated, with a warning
+    # and the two corpora's sizes in the report.
+    part = export_artifact(model, to_dict(cfg), tmp_path / "part", dtype="fp32", item_ids=model.item_corpus[::2],
+                           version="v2", item_features={f: v[::2] for f, v in side.items()}, export_program=False)
+    other = _evaluate(part, data, tmp_path / "eval-part")
+    n = int(model.item_corpus.numel())
+    assert other["config"]["run"]["corpus"] == {"artifact_items": (n + 1) // 2, "data_items": n,
+                                                "shared": (n + 1) // 2}
