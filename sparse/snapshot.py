@@ -213,6 +213,7 @@ def save_snapshot(module, path: str, *, max_deltas: int = 0) -> list[str]:
     `max_deltas` > 0: a delta on the last snapshot saved or loaded where one can be (see
     the module doc). Returns the paths of the files this rank wrote (rank 0: the manifest
     too), not the older links' files it linked: the manifest's sizes and CRC32s cover those."""
+    module.finish_row_updates()  # deferred row updates belong to the state being saved
     rank, world = _dist(module)
     known = [all(store.removals_known for store in module.stores.values())]
     if world > 1 and max_deltas > 0:  # a delta needs every rank's removals since the base
@@ -485,6 +486,7 @@ def quantize_rows(values_ND: torch.Tensor, dtype: str) -> tuple[torch.Tensor, to
 def export_quantized(module, dtype: str = "int8", out_dir: str | None = None) -> dict[str, QuantizedTable]:
     """Quantize this rank's rows of every table; with out_dir, also write
     `<table>.rank<r>.{ids,rows,scale_bias}.bin` and `export.rank<r>.json` (sizes, CRC32s)."""
+    module.finish_row_updates()
     rank, _ = _dist(module)
     result, files = {}, {}
     for name, store in module.stores.items():
