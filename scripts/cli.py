@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="checkpoint -> serving artifact")
     p.add_argument("--checkpoint", required=True)
     _add_output_args(p)
-    p.add_argument("--dtype", choices=["fp32", "fp16", "int8"], default="fp32",
-                   help="storage of the embedding rows and the item index")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "int8"],
+                   help="storage of the embedding rows and the item index (default fp32; a delta: the base's)")
     p.add_argument("--data", help="prepared data directory (default: the path the run trained on)")
     p.add_argument("--model-version", help="version the artifact reports (default: RUN-STEP-DTYPE)")
     p.add_argument("--retrieval-index", choices=["auto", "exact", "ivf"], default="auto",
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="CPU threads for scoring, shared by the busy workers")
     p.add_argument("--workers", type=int, default=1, help="batches ranked at once (throughput: one per core)")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests scored together")
-    p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a request waits for a batch to fill")
+    p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a batch waits for requests still being read (a lone request does not wait)")
     p.add_argument("--max-queue", type=int, default=256, help="rank requests in the server at once (503 beyond)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (413 beyond)")
     # ServingConfig's fields; a flag left unset keeps the dataclass default (in the help).
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--max-request-events", int, "events a request may send; more is a 422, not a truncation (default 100000)"),
         ("--micro-batch", int, "candidates scored at once against a cached history (default 512)"),
         ("--retrieval-block-rows", int, "item-index rows per retrieval block (default 1048576)"),
-        ("--history-dtype", str, "cached history and candidate scores: fp32, bf16 or auto (default: bf16 on bf16 CPUs)"),
+        ("--history-dtype", str, "cached history and candidate scores: fp32, bf16 or auto (default: bf16 on bf16 CPUs, large products)"),
         ("--advertiser-feature", str, "item feature that allowed_advertisers filters on (default advertiser_id)"),
         ("--ann-nprobe", int, "lists an approximate index scans per query (default: calibrated at export)"),
         ("--table-cache-mb", float, "hot rows held per table above this size, fp32 MB; 0: none (default 256)"),
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("results", nargs="*", help="check: one `bench all` JSON; baseline: several")
     p.add_argument("--baseline", help="check / gate: the baseline JSON (configs/bench_baseline.json)")
     p.add_argument("--json", dest="json_out", help="write the figures here")
-    p.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+    p.add_argument("--quick", action="store_true", help="small sizes (a few minutes for `all`)")
     p.add_argument("--check", action="store_true", help="readme: only check the README against configs/figures/")
     p.add_argument("--allow-noisy", action="store_true", help="measure even on a busy machine (load > 0.5)")
 

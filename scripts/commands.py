@@ -1,6 +1,6 @@
 """One function per `genrec` subcommand. Each parses nothing (the CLI did) and calls the library.
 
-A handler returns an exit code (None means 0); `bench` handlers return the figures dict.
+A handler returns an exit code (None means 0).
 Imports are local so `genrec --help` stays fast.
 """
 

@@ -17,11 +17,11 @@ import torch
 from genrec.models.config_loader import to_dict
 from genrec.models.runs import CONFIG_FILE, load_trained, resolve_checkpoint
 from genrec.data.files import claim_output_dir
-from genrec.models.serving.artifact import MANIFEST, export_artifact, item_features_from_events
+from genrec.models.serving.artifact import MANIFEST, export_artifact, item_features_from_events, read_manifest
 from genrec.models.serving.delta import DELTA_FORMAT, write_delta
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str | None = None,
                       version: str | None = None, data_dir: str | Path | None = None,
                       overwrite: bool = False, retrieval_index: str = "auto",
                       delta_since: str | Path | None = None) -> Path:
@@ -33,8 +33,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
     version: default RUN-STEP-DTYPE, so the fp32 and int8 artifacts of one checkpoint differ.
     retrieval_index: "auto", "exact" or "ivf" (see export_artifact). delta_since: a base
     artifact: write only what changed since it (models/serving/delta.py), for
-    POST /admin/apply-delta.
+    POST /admin/apply-delta. dtype: default the base's for a delta (a delta must match
+    it), else fp32.
     """
+    if dtype is None:
+        dtype = read_manifest(delta_since)["dtype"] if delta_since is not None else "fp32"
     step_dir, run_dir = resolve_checkpoint(checkpoint)
     if data_dir is None:
         trained_on = json.loads((run_dir / CONFIG_FILE).read_text()).get("data", {}).get("path")

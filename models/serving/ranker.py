@@ -11,7 +11,8 @@ One call, four steps (`rank_batch` does them for several requests at once):
 
 1. Encode each history once with the dense tower, keeping each layer's keys / values.
 2. Retrieve the top K items by inner product of the last history state with the item index
-   (both L2-normalized under `model.similarity = "cosine"`, raw under "dot"): exact, a matmul + top-k per block of index rows, merged;
+   (both L2-normalized under `model.similarity = "cosine"`, raw under "dot"): exact, one native
+   scan of the index (dense/csrc/topk_scan.c; a matmul + top-k per block of rows without it);
    or, for an artifact exported with an approximate index, an IVF search (models/serving/ann.py).
 3. Rank those K as candidates appended after the history under the target-aware mask, in
    micro-batches of `micro_batch` candidates that reuse the cached history (M-FALCON):

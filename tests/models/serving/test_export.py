@@ -50,6 +50,19 @@ def test_export_reads_data_from_the_flag_and_versions_by_dtype(moved_run, tmp_pa
     assert torch.equal(load_artifact_contents(tmp_path / "fp32").item_ids_N, load_item_corpus(data)[0])
 
 
+def test_a_delta_takes_its_bases_dtype_unless_told(moved_run, tmp_path):
+    """The quickstart's artifact is int8: `genrec export --delta-since BASE` without --dtype
+    writes an int8 delta (an fp32 one would be refused by the base)."""
+    import json
+
+    run, data = moved_run
+    base = tmp_path / "base"
+    assert main(["export", "--checkpoint", str(run), "--out", str(base), "--dtype", "int8", "--data", str(data)]) == 0
+    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "delta"), "--data", str(data),
+                 "--delta-since", str(base)]) == 0
+    assert json.loads((tmp_path / "delta" / "manifest.json").read_text())["artifact"]["dtype"] == "int8"
+
+
 def test_export_flags_reach_export_checkpoint(monkeypatch):
     from genrec.models.serving import export as export_module
 
