@@ -500,11 +500,12 @@ def startup_summary(ranker: Ranker, artifact_dir: str | Path, *, host: str, port
     else:
         hosts = ", ".join([*LOOPBACK_HOSTS, *(_normalize_host(h) for h in allowed_hosts)])
     reload = f"on, under {', '.join(str(d) for d in reload_dirs)}" if reload_enabled else "off"
+    cached = ", ".join(f"{name} {s['bytes'] / 2**20:.0f} MB" for name, s in ranker.table_cache_stats().items())
     return (f"genrec serve: model {ranker.version} ({ranker.dtype}) from {artifact_dir} on http://{url_host}:{port}; "
             f"{workers} worker(s) sharing {threads} thread(s), batches <= {max_batch_size} (wait <= {max_wait_ms} ms), queue <= {max_queue}; "
             f"k <= {ranker.max_k}, n <= {cfg.max_n}, history {ranker.max_history} events, "
             f"requests <= {cfg.max_request_events} events and {max_body_bytes} bytes; "
-            f"reload {reload}; Host names: {hosts}")
+            f"hot-row caches: {cached or 'none'}; reload {reload}; Host names: {hosts}")
 
 
 def serve(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 8080, *, threads: int = 2, workers: int = 1,

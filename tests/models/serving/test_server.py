@@ -50,7 +50,7 @@ def test_health_and_parity_with_library(server):
 def test_startup_summary_is_one_readable_line(server):
     line = server["proc"].summary()
     assert line.startswith("genrec serve: model v1 (fp32) from ")
-    for part in ("k <= 40", f"history {MAX_SEQ_LEN - 1} events", "queue <= 256", "reload on, under",
+    for part in ("k <= 40", f"history {MAX_SEQ_LEN - 1} events", "queue <= 256", "hot-row caches: none", "reload on, under",
                  "Host names: 127.0.0.1, localhost, [::1], ranker.test"):
         assert part in line, line
     assert "{" not in line and "'" not in line  # no Python reprs
