@@ -508,9 +508,9 @@ def deal_rows(pieces: np.ndarray, workers: int) -> np.ndarray:
     epoch's few pieces of unequal size left ranks with unequal batch counts, and
     `equal_batches_per_rank` then dropped 51 and 49 rows of 300 in the loader tests'
     2 -> 3 and 4 -> 3 rank resumes."""
-    total = int(pieces[:, TAKE].sum()) if len(pieces) else 0
+    total = int(pieces[:, TAKE].sum())
     shares: list[list[np.ndarray]] = [[] for _ in range(workers)]
-    g, room = 0, total // workers + (0 < total % workers)
+    g, room = -1, 0  # worker g has room for `room` more rows of its share
     for piece in pieces:
         piece = piece.copy()
         while piece[TAKE] > 0:

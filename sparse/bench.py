@@ -103,11 +103,9 @@ def _materialize(tec: TieredEmbeddingCollection, num_rows: int, chunk: int) -> N
     """Create rows 0..num_rows as a training step does, then close that step as its
     backward would (there is nothing to apply): a snapshot saved in an open step leaves
     the step's rows to the next delta."""
-    store = tec.stores["t"]
     for start in range(0, num_rows, chunk):
-        ids = torch.arange(start, min(num_rows, start + chunk))
-        store.lookup_train(ids, torch.ones_like(ids), None)
-    store._close_step()
+        _materialize_range(tec, start, min(num_rows, start + chunk))
+    tec.stores["t"]._close_step()
 
 
 def _train_step(tec, ids: torch.Tensor) -> None:

@@ -56,10 +56,10 @@ this machine's disk, 4,096 cold rows of a 2M-row tier: 17-20K rows/s on one thre
 on 8, 45-51K on 16-32, where starting the threads halved the warm (page-cache) rate."""
 SSD_IO_MIN_ROWS = 1024
 """Smaller batches are copied on the calling thread (starting threads costs more)."""
-_MADV_RANDOM = 1
+MADV_RANDOM = 1
 _MADV_WILLNEED = 3
 _WILLNEED_CHUNK = 128 << 10
-_MADV_DONTNEED = 4
+MADV_DONTNEED = 4
 _MS_SYNC = 4
 _libc = None
 _adviser_pool: ThreadPoolExecutor | None = None
@@ -92,6 +92,17 @@ def _c_library():
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return _libc
+
+
+def drop_file_cache(path: str | os.PathLike) -> None:
+    """Write a file's dirty pages, then drop its pages from the page cache (posix_fadvise:
+    pages a process maps stay; unmap them first, MADV_DONTNEED). For cold-read measurements."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def advise_pages(t: torch.Tensor, advice: int) -> int:
@@ -191,7 +202,7 @@ class _SlabArray:
             # Rows are read at random: left to the kernel, a fault on a cold row reads ahead
             # (measured ~500 KB read per cold row of a 1 GB tier); at random a fault reads
             # one page (4.3 KB per row measured). Advice only.
-            _c_library().madvise(slab.data_ptr(), numel * self.dtype.itemsize, _MADV_RANDOM)
+            _c_library().madvise(slab.data_ptr(), numel * self.dtype.itemsize, MADV_RANDOM)
             if self.unlink:
                 # The mapping keeps the inode: the file works as before but has no name, so
                 # the kernel frees its blocks when the process ends, kill -9 included.
@@ -214,14 +225,10 @@ class _SlabArray:
         libc = _c_library()
         for i, slab in enumerate(self.slabs):
             nbytes = slab.numel() * slab.element_size()
-            if libc.msync(slab.data_ptr(), nbytes, _MS_SYNC) or libc.madvise(slab.data_ptr(), nbytes, _MADV_DONTNEED):
+            if libc.msync(slab.data_ptr(), nbytes, _MS_SYNC) or libc.madvise(slab.data_ptr(), nbytes, MADV_DONTNEED):
                 err = ctypes.get_errno()
                 raise OSError(err, f"genrec.sparse: cannot evict {self._path(i)}: {os.strerror(err)}")
-            fd = os.open(self._path(i), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_file_cache(self._path(i))
 
     def will_need(self, slots_N: torch.Tensor) -> int:
         """Start reading the pages of these rows of file-backed slabs into the page cache,

@@ -32,11 +32,10 @@ from typing import Callable
 import torch
 
 from genrec.sparse import native
-from genrec.sparse.tiers import advise_pages
+from genrec.sparse.tiers import MADV_DONTNEED, MADV_RANDOM, advise_pages, drop_file_cache
 
 log = logging.getLogger(__name__)
 
-MADV_RANDOM, MADV_DONTNEED = 1, 4  # Linux's values (mmap.MADV_* only where Python was built with them)
 SLOT_BYTES_OVERHEAD = 8
 """Per slot beside its fp32 row: the int64 position it holds."""
 
@@ -73,14 +72,9 @@ def evict(root: Path, *tensors: torch.Tensor | None) -> None:
                 raise ValueError(f"evict: a tensor is not a mapping of a file under {root} (it maps {mapped})")
             if err := advise_pages(t, MADV_DONTNEED):
                 raise OSError(err, f"evict: madvise(MADV_DONTNEED) on {mapped}: {os.strerror(err)}")
-    for path in Path(root).rglob("*"):
+    for path in root.rglob("*"):
         if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # dirty pages (a file just written) are not dropped
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_file_cache(path)
 
 
 def will_need_rows(t: torch.Tensor | None, pos: torch.Tensor) -> None:
