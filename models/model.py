@@ -381,6 +381,14 @@ class GenerativeRecommender(nn.Module):
                 return F.cross_entropy(logits, target_pos)
         positive = vec(item_rows_TD[tgt])
         pos_logit = (query * positive).sum(-1, keepdim=True)
+        log_q = None
+        if cfg.negatives == "in_batch" and self.item_log_q is not None:
+            # logQ (Yi et al., 2019): the batch's targets are a sample drawn by popularity, the
+            # positive among them, so every one of them, the positive included, is corrected
+            # by log q(item) (scaled to the logit's units). Then a uniform q changes nothing.
+            pos, _ = sorted_positions(self.item_corpus.to(device), target_ids)
+            log_q = cfg.temperature * self.item_log_q.to(device)[pos]
+            pos_logit = pos_logit - log_q[:, None]
         logits = [pos_logit]
         if cfg.negatives == "per_position":
             negative = vec(neg_rows).view(P, cfg.num_negatives, -1)
@@ -392,11 +400,8 @@ class GenerativeRecommender(nn.Module):
             logits.append(neg_logits.masked_fill(neg_ids[None, :] == target_ids[:, None], float("-inf")))
         if cfg.negatives == "in_batch" or cfg.in_batch_negatives:
             in_batch = query @ positive.T
-            if cfg.negatives == "in_batch" and self.item_log_q is not None:
-                # logQ: popular items are drawn as in-batch negatives more often; subtracting
-                # log q(item) (scaled to the logit's units) removes that sampling bias.
-                pos, _ = sorted_positions(self.item_corpus.to(device), target_ids)
-                in_batch = in_batch - cfg.temperature * self.item_log_q.to(device)[pos][None, :]
+            if log_q is not None:
+                in_batch = in_batch - log_q[None, :]
             # Another position with the same target item is no negative (the diagonal included).
             logits.append(in_batch.masked_fill(target_ids[None, :] == target_ids[:, None], float("-inf")))
         logits = torch.cat(logits, dim=1) / cfg.temperature

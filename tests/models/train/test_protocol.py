@@ -215,6 +215,44 @@ def test_full_softmax_is_the_exact_cross_entropy_over_the_corpus(prepared, tmp_p
     torch.testing.assert_close(user, vec(states[last]), rtol=1e-5, atol=1e-6)
 
 
+
+def test_in_batch_softmax_corrects_every_logit_by_log_q(prepared, tmp_path):
+    """`negatives = "in_batch"`: position i's softmax runs over the batch's targets, each
+    logit s(i, j) / T - log q(target j), the positive's too (Yi et al., 2019), other
+    positions with i's own target left out. A plain per-position loop is the reference; and
+    a uniform q, a constant shift of every logit, gives the uncorrected loss."""
+    import torch.nn.functional as F
+
+    cfg, net = _model(prepared, tmp_path, negatives="in_batch", temperature=0.5)
+    net.eval()
+    batch = _batch(cfg, prepared)
+    items = batch.history[cfg.data.features.item].values()
+    last = set((batch.history_offsets_B1[1:] - 1).tolist())
+    src = torch.tensor([t for t in range(len(items)) if t not in last])
+    target = items[src + 1]
+    corpus = net.item_corpus
+    counts = torch.randint(1, 50, (corpus.numel(),), generator=torch.Generator().manual_seed(0))
+    net.set_item_corpus(corpus, counts)
+    with torch.no_grad():
+        loss, _ = net(batch)
+        states, _, _ = net.encode(batch)
+        q = F.normalize(states[src], dim=-1)
+        rows = F.normalize(net.item_rows(target), dim=-1)
+        log_q = torch.log(counts.double() / counts.sum()).float()[torch.searchsorted(corpus, target)]
+        terms = []
+        for i in range(len(src)):
+            keep = (target != target[i]) | (torch.arange(len(src)) == i)
+            logits = (q[i] @ rows[keep].T) / 0.5 - log_q[keep]
+            terms.append(F.cross_entropy(logits[None], keep[: i + 1].sum()[None] - 1))
+        expected = torch.stack(terms).mean()
+        net.set_item_corpus(corpus, torch.full_like(counts, 7))
+        uniform, _ = net(batch)
+        net.set_item_corpus(corpus)
+        uncorrected, _ = net(batch)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(uniform, uncorrected, rtol=1e-5, atol=1e-5)
+    assert abs(float(loss) - float(uncorrected)) > 1e-3  # the correction is not a no-op here
+
 def test_mask_seen_leaves_a_positions_own_history_out_of_its_softmax(prepared, tmp_path):
     """model.mask_seen: each position's softmax runs over the corpus minus the items of its
     row up to and including its own event, the target kept even when it repeats one of them;
