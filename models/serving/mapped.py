@@ -81,9 +81,20 @@ def will_need_rows(t: torch.Tensor | None, pos: torch.Tensor) -> None:
     """Start reading the pages of rows `pos` of a mapped [N, D] table, without waiting: the
     disk then serves them at its queue depth, where the gather's faults come one at a time.
     A syscall per row (~1-2 us), so for tables likely read from the disk only."""
-    if t is not None and pos.numel():
-        row_bytes = t.shape[1] * t.element_size()
+    global _read_ahead
+    if t is None or not pos.numel() or not _read_ahead:
+        return
+    row_bytes = t.shape[1] * t.element_size()
+    try:
         native.slab_rows_will_need(torch.tensor([t.data_ptr()]), t.shape[0], row_bytes, pos)
+    except native.NativeKernelError as e:
+        # Advice only: a server without the store's kernels (another CPU, no build) answers
+        # the same, its misses faulted in one at a time.
+        _read_ahead = False
+        log.warning("hot-row caches read their misses without read-ahead: %s", e)
+
+
+_read_ahead = True
 
 
 def disk_read_bytes() -> int:

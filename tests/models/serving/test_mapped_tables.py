@@ -131,6 +131,27 @@ def test_a_ranker_with_a_row_cache_ranks_as_without_one_within_its_bound(artifac
     assert _rss_mb()["RssAnon"] - before["RssAnon"] < bound_mb + 8
 
 
+def test_a_cache_serves_where_the_stores_kernels_cannot_load(artifact, monkeypatch, caplog):
+    """Read-ahead of a cache's misses goes through the store's native library; on a CPU it
+    was not built for (simulated: no AVX2 / FMA reported) the server answers the same, once
+    warned, instead of failing every request."""
+    from genrec.models.serving import mapped
+    from genrec.sparse import native
+
+    art, feats = artifact
+    reqs = [synthetic_request(NUM_ITEMS, 60, k=50, n=10, seed=s, item_features=feats) for s in range(2)]
+    expected = [load_artifact(art, ServingConfig(max_k=50, table_cache_mb=0)).rank(r) for r in reqs]
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_cpu_flags", lambda: set())
+    monkeypatch.setattr(mapped, "_read_ahead", True)
+    if not native.ISA_FLAGS.get(__import__("platform").machine()):
+        pytest.skip("the store's kernels need no CPU feature on this architecture")
+    cached = load_artifact(art, ServingConfig(max_k=50, table_cache_mb=1))
+    assert [cached.rank(r) for r in reqs] == expected
+    assert cached.table_cache_stats()["t_item_id"]["misses"] > 0
+    assert sum("without read-ahead" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_a_truncated_table_file_is_refused_naming_it(artifact, tmp_path):
     art, _ = artifact
     bad = tmp_path / "bad"
