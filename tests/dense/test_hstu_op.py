@@ -125,6 +125,9 @@ def test_bf16_inputs_are_kept_in_bf16_for_the_backward():
     (lambda x: x.update(ts=None), "needs the keys' times"),
     (lambda x: x.update(tidx=torch.zeros(G, N, N - 1, dtype=torch.uint8)), "tidx must be"),
     (lambda x: x.update(pos_w=torch.zeros(P + 1)), "pos_w must be"),
+    (lambda x: x.update(tidx=torch.full((G, N, N), NB + 1, dtype=torch.uint8)), "past ts_w's last"),
+    (lambda x: x.update(lens=torch.tensor([N, N + 1, 1])), r"lens must lie in \[0, N = 12\]"),
+    (lambda x: x.update(hist=torch.tensor([N, -1, 1])), "hist must lie in"),
 ])
 def test_what_the_kernel_would_misread_is_refused(change, error):
     x = _inputs(5)
