@@ -423,6 +423,19 @@ class SequenceLoader:
         ds = self.dataset
         return sum(int(ds.worker_pieces(self.epoch, ds.rank, w)[:, TAKE].sum()) for w in range(ds.num_workers))
 
+    def rows_in_first(self, num_rows: int) -> int:
+        """How many of the split's first `num_rows` rows this rank reads, for an unshuffled
+        loader of one worker per rank. Its pieces are then the split's rows in file order,
+        dealt round-robin, so the first `num_rows` rows are the same whatever the world
+        size, and this rank's part of them comes first in its stream."""
+        ds = self.dataset
+        if self.cfg.shuffle or ds.num_workers > 1:
+            raise ValueError("rows_in_first: needs data.loader.shuffle = false and at most one worker")
+        take = ds.epoch_pieces(self.epoch)[:, TAKE]
+        start = np.cumsum(take) - take
+        overlap = np.clip(num_rows - start, 0, take)
+        return int(overlap[ds.rank :: ds.world_size].sum())
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.batches_done = epoch, 0
 

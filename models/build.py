@@ -237,16 +237,17 @@ def config_fingerprint(cfg: JobConfig) -> dict[str, object]:
 
 
 def eval_loader(cfg: JobConfig, split: str, *, rank: int = 0, world_size: int = 1, full_history: bool = False,
-                batch_size: int | None = None):
+                batch_size: int | None = None, in_order: bool = False):
     """The loader of a prepared evaluation split: in order, each last event the target; every
     user of the rank's share (ranks' batch counts may differ: see `Trainer.validate`).
     `full_history`: histories are not cut to `data.loader.max_seq_len` (for seen-item
     filters; the model's window is cut from them). `batch_size`: users per batch (default
-    `data.loader.batch_size`)."""
+    `data.loader.batch_size`). `in_order`: no worker processes, so every batch but the last
+    is full (worker loaders interleave each worker's short last batch with the others')."""
     loader_cfg = dataclasses.replace(
         cfg.data.loader, mode="eval", shuffle=False, stochastic_length_prob=0.0, random_end_prob=0.0,
         drop_last=False, equal_batches_per_rank=False, **({"max_seq_len": 2**31 - 1} if full_history else {}),
-        **({"batch_size": batch_size} if batch_size else {}),
+        **({"batch_size": batch_size} if batch_size else {}), **({"num_workers": 0} if in_order else {}),
     )
     return make_loader(Path(cfg.data.path) / split, cfg.data.features, loader_cfg, rank=rank, world_size=world_size)
 

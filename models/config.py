@@ -105,7 +105,8 @@ class TrainConfig:
     eval_every_epochs: int = 0
     """Validate every this many epochs instead (0: use `eval_every`)."""
     eval_max_users: int = 2000
-    """Validation users scored per validation (full item corpus each); 0 = the whole split."""
+    """Validation users scored per validation (full item corpus each): the split's first
+    this many, the same users on any world size; 0 = the whole split."""
     eval_batch_size: int = 0
     """Users scored at once in validation; 0: as many as keep one [users, corpus] score block
     under 2^26 floats (256 MB), between `data.loader.batch_size` and 2048. The tower's

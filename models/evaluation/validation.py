@@ -95,18 +95,6 @@ def empty_batch(features) -> Batch:
 
 
 @torch.no_grad()
-def user_shares(total: int, available: list[int]) -> list[int]:
-    """How many of `total` users each rank counts, given the users each has: as equal as
-    the ranks' own users allow, a rank short of its share leaving the rest to the others;
-    min(total, sum(available)) in all."""
-    shares, left = [0] * len(available), total
-    order = sorted(range(len(available)), key=lambda r: (available[r], r))
-    for i, r in enumerate(order):
-        shares[r] = min(available[r], -(-left // (len(order) - i)))
-        left -= shares[r]
-    return shares
-
-
 def evaluate_retrieval(
     model: GenerativeRecommender, batches: Iterable[Batch], ks: Sequence[int] = (10, 50, 200),
     window: int | None = None, max_users: int | None = None,

@@ -55,7 +55,7 @@ from genrec.models.train.distributed import bind_to_cores, init_distributed, loc
 from genrec.models.train.progress import ProgressLogger
 from genrec.models.train.schedule import build_dense_optimizer, warmup_cosine
 from genrec.models.evaluation.validation import (
-    VALIDATION_KS, VALIDATION_METRICS, empty_batch, evaluate_retrieval, user_shares, validation_batch_size,
+    VALIDATION_KS, VALIDATION_METRICS, empty_batch, evaluate_retrieval, validation_batch_size,
 )
 
 
@@ -376,11 +376,13 @@ class Trainer:
         max_users, world, rank = self.cfg.train.eval_max_users, self.dist.world_size, self.dist.rank
         if max_users:
             batch_size = min(batch_size, -(-max_users // world))
-        loader = eval_loader(self.cfg, "valid", rank=rank, world_size=world, full_history=True, batch_size=batch_size)
-        share = None
-        if max_users:  # this rank's share of max_users, in batches of at most the even share
-            available = all_reduce_sum([loader.num_rows() if r == rank else 0 for r in range(world)])
-            share = user_shares(max_users, [int(n) for n in available])[rank]
+        # Capped, the batches holding this rank's share are counted below from whole batches:
+        # read in order (a few thousand users at most; workers would interleave short batches).
+        loader = eval_loader(self.cfg, "valid", rank=rank, world_size=world, full_history=True, batch_size=batch_size,
+                             in_order=bool(max_users))
+        # Capped: the split's first max_users users, the same ones on any world size (a
+        # resumed run's best metric compares like with like), each rank counting its own.
+        share = loader.rows_in_first(max_users) if max_users else None
         mine = len(loader) if share is None else min(len(loader), -(-share // batch_size))
         # Every user is scored (no rank's share cut to the smallest): a rank out of users takes
         # empty batches until the others are done, since the store's lookups are collective.

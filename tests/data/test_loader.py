@@ -368,3 +368,26 @@ def test_random_window_end_makes_every_event_a_candidate_in_order(ad_prepared):
     assert len(offsets_from_end) > 10
     with pytest.raises(ValueError, match="random_end_prob"):
         make_loader(ad_prepared / "train", AD_FEATURES, replace(cfg, random_end_prob=1.5))
+
+
+@pytest.mark.parametrize("first", [1, 37, 100, 10_000])
+def test_the_first_rows_of_a_split_are_the_same_users_on_any_world_size(ad_prepared, first):
+    """Capped validation scores the split's first `first` users: each rank counts the
+    first `rows_in_first` rows of its stream, and together they are the one-rank loader's
+    first rows, whatever the world size (also where few row groups are cut into slices)."""
+    cfg = LoaderConfig(batch_size=16, max_seq_len=9, mode="eval", shuffle=False, drop_last=False,
+                       equal_batches_per_rank=False)  # as models/build.py's eval_loader
+
+    def stream(rank, world):
+        loader = make_loader(ad_prepared / "valid", AD_FEATURES, cfg, rank=rank, world_size=world)
+        return [u for b in loader for u in b.user_ids_B.tolist()], loader.rows_in_first(first)
+
+    users, n = stream(0, 1)
+    assert n == min(first, len(users))
+    for world in (2, 3, 4, 7):
+        parts = [stream(r, world) for r in range(world)]
+        counted = [u for rank_users, share in parts for u in rank_users[:share]]
+        assert sum(share for _, share in parts) == n
+        assert sorted(counted) == sorted(users[:n]), world
+    with pytest.raises(ValueError, match="shuffle = false"):
+        make_loader(ad_prepared / "valid", AD_FEATURES, replace(cfg, shuffle=True)).rows_in_first(first)

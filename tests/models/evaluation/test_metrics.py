@@ -471,25 +471,6 @@ def test_mean_of_runs_averages_each_users_values_and_compares_like_one_run():
         MeanOfRuns([ra1, ra2], [ka1, kc]).per_user("click")
 
 
-def test_user_shares_count_min_of_the_cap_and_the_users_as_evenly_as_the_ranks_allow():
-    """Property over random splits: the shares sum to min(total, all users), no rank counts
-    more users than it has, and a rank below its even share is one that has no more."""
-    from genrec.models.evaluation.validation import user_shares
-
-    rng = np.random.default_rng(0)
-    for _ in range(2000):
-        world = int(rng.integers(1, 7))
-        available = [int(n) for n in rng.integers(0, 40, world)]
-        total = int(rng.integers(1, 150))
-        shares = user_shares(total, available)
-        assert sum(shares) == min(total, sum(available))
-        assert all(0 <= s <= a for s, a in zip(shares, available))
-        top = max(shares)
-        assert all(s >= top - 1 or s == a for s, a in zip(shares, available)), (total, available, shares)
-    assert user_shares(16, [100, 100, 100]) == [6, 5, 5]
-    assert user_shares(300, [84, 65, 71, 80]) == [84, 65, 71, 80]
-
-
 def test_a_target_outside_the_corpus_is_a_miss_at_every_k_even_above_the_corpus_size():
     from genrec.models.evaluation.metrics import RetrievalMetrics
     from genrec.models.evaluation.validation import target_ranks

@@ -112,14 +112,19 @@ def test_epochs_are_the_loaders_epochs_with_several_workers(prepared, tmp_path):
     assert (trainer.loader.epoch, trainer.loader.batches_done) in ((1, plan[1]), (2, 0))  # two whole epochs
 
 
-def test_validation_scores_at_most_eval_max_users(prepared, tmp_path):
+@pytest.mark.parametrize("num_workers, max_users", [(0, 16), (2, 16), (2, 9 * 12)])
+def test_validation_scores_at_most_eval_max_users(prepared, tmp_path, num_workers, max_users):
+    """Exactly eval_max_users, not rounded up to whole batches of the automatic size (at
+    least 2,048 users), nor short of it where worker loaders end each worker's part with a
+    short batch (9 batches of 12 here, one of them short from a worker)."""
     from genrec.models.train.trainer import run_training
 
-    run = tmp_path / "run"
-    run_training(tiny_config(prepared, run, max_steps=2, eval_every=2, checkpoint_every=1000, eval_max_users=16))
-    assert load_manifest(prepared)["counts"]["rows"]["valid"] > 16
-    # Not rounded up to whole batches of the automatic size (at least 2,048 users).
-    assert [r["valid/num_users"] for r in _records(run) if "valid/num_users" in r] == [16]
+    assert load_manifest(prepared)["counts"]["rows"]["valid"] > max_users
+    cfg = tiny_config(prepared, tmp_path / "run", max_steps=2, eval_every=2, checkpoint_every=1000,
+                      eval_max_users=max_users, eval_batch_size=12)
+    cfg.data.loader.num_workers = num_workers
+    run_training(cfg)
+    assert [r["valid/num_users"] for r in _records(tmp_path / "run") if "valid/num_users" in r] == [max_users]
 
 
 def test_fp16_on_cuda_is_refused_naming_the_key(prepared, tmp_path):

@@ -317,7 +317,8 @@ def _run_training(rank: int, world_size: int, port: int, cfg_json: str, result_p
 
 
 def test_eval_max_users_is_the_count_scored_over_three_ranks(prepared, tmp_path):
-    """16 users over 3 ranks are shares of 6, 5 and 5, not whole per-rank batches of 6 (18)."""
+    """The split's first 16 users, counted by the 3 ranks that hold them, not whole per-rank
+    batches of 6 (18)."""
     cfg = tiny_config(prepared, tmp_path / "run", max_steps=1, eval_every=1, checkpoint_every=1000,
                       eval_max_users=16)
     _spawn(_run_training, 3, json.dumps(to_dict(cfg)))
