@@ -105,7 +105,7 @@ def _materialize(tec: TieredEmbeddingCollection, num_rows: int, chunk: int) -> N
     the step's rows to the next delta."""
     for start in range(0, num_rows, chunk):
         _materialize_range(tec, start, min(num_rows, start + chunk))
-    tec.stores["t"]._close_step()
+    tec.stores["t"].close_step()
 
 
 def _train_step(tec, ids: torch.Tensor) -> None:

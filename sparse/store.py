@@ -360,7 +360,7 @@ class TableStore:
         if ctx.admitted_U is None and ctx.moves == self.moves and self.cfg.optimizer in native.OPTIMIZERS:
             # A committed lookup and no row moved since (another lookup's optimizer step may
             # have changed values: they are read in place): sum and step in one native call.
-            self._close_step()
+            self.close_step()
             native.bwd_apply(self._tier_view(), ctx.inv_N, grad_ND, ctx.loc_U, *self._native_step_args(ctx.now))
             return
         grad_UD = torch.empty(ctx.uniq_U.numel(), self.dim)  # every row is written (first-occurrence order)
@@ -458,9 +458,9 @@ class TableStore:
             rows_PW, meta_P3 = self._read(tier_U[up], slot_U[up])
             self._promote(ids_U[up], tier_U[up], slot_U[up], rows_PW, meta_P3)
 
-    def _close_step(self) -> None:
-        """A backward ran: the next lookup opens a new step, and locations taken before
-        this no longer count as fresh."""
+    def close_step(self) -> None:
+        """A backward ran (or a step has no gradient to apply): the next lookup opens a new
+        step, and locations taken before this no longer count as fresh."""
         self.step_done = True
         self.version += 1
 
@@ -479,7 +479,7 @@ class TableStore:
         optimizer step does not stale them), or (version, tier, slot_A, rows_AW) of the
         reference one, valid only if no row has moved or changed since (its rows are copies);
         otherwise the ids are located again."""
-        self._close_step()
+        self.close_step()
         fresh = locations is not None and locations[0] == (self.moves if len(locations) == 2 else self.version - 1)
         if self.native_rows and self.cfg.optimizer in native.OPTIMIZERS:
             grad_AD = grad_AD.float().contiguous()
