@@ -26,6 +26,7 @@ def _i64(x: int) -> int:
 _GOLDEN = _i64(0x9E3779B97F4A7C15)
 _MUL1 = _i64(0xBF58476D1CE4E5B9)
 _MUL2 = _i64(0x94D049BB133111EB)
+_INDEX_SALT = _i64(0x2545F4914F6CDD1D)
 
 
 def _lshr(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -150,7 +151,9 @@ class TensorHashMap:
         return self.num_live
 
     def _home(self, keys_N: torch.Tensor) -> torch.Tensor:
-        return _lshr(splitmix64(keys_N), 1) & (self.capacity - 1)
+        # Salted as csrc/store.c's mix64: unsalted, the home slot's low bits are the bits
+        # `owner_rank` reads, constant on a rank (2 ranks: every home slot even or every odd).
+        return _lshr(splitmix64(keys_N ^ _INDEX_SALT), 1) & (self.capacity - 1)
 
     def find_slots(self, keys_N: torch.Tensor) -> torch.Tensor:
         """Slot index of each key in the table, -1 where absent."""

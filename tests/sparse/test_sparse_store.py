@@ -61,6 +61,17 @@ def test_hash_map_matches_dict_under_random_inserts_and_removals():
     assert len(m) == len(ref)
 
 
+def test_a_ranks_ids_spread_over_every_home_slot():
+    """The map's home slots share no bits with `owner_rank`: the ids one of 2 or 4 ranks
+    owns land on home slots of every residue, not only on those of the rank's bits."""
+    ids = torch.arange(200_000, dtype=torch.int64) * 7919
+    m = TensorHashMap(capacity=1 << 12)
+    for world in (2, 4):
+        mine = ids[owner_rank(ids, world) == 1]
+        counts = torch.bincount(m._home(mine) % world, minlength=world)
+        assert counts.min() > 0.8 * mine.numel() / world, (world, counts)
+
+
 def test_owner_rank_is_stable_and_balanced():
     ids = torch.arange(100_000)
     r = owner_rank(ids, 2)
