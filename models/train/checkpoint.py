@@ -425,9 +425,16 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 class StopFlag:
     """Set by SIGTERM/SIGINT; the loop polls it, checkpoints, and exits cleanly."""
 
+    POLL_SECONDS = 1.0
+    """Under torch.distributed, the ranks agree on a stop about this often (see should_stop)."""
+
     def __init__(self) -> None:
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
+        self._until_poll = 1  # the first call polls
+        self._since_poll = 0
+        self.polls = 0
+        self._polled_at = time.perf_counter()
 
     @property
     def requested(self) -> bool:
@@ -435,14 +442,29 @@ class StopFlag:
         return self.signal_name is not None
 
     def should_stop(self) -> bool:
-        """Whether any rank got a stop signal. Collective under torch.distributed: all
-        ranks must poll at the same step, so that they all checkpoint and stop together."""
+        """Whether any rank got a stop signal (called once per step). Under torch.distributed
+        the ranks must agree, so that they all checkpoint and stop at the same step: an
+        all-reduce, but not every step (one more collective where the ranks wait for each
+        other): every call until the next poll returns False on every rank, and each poll
+        also agrees on when the next one is, after the steps the slowest rank ran in about
+        POLL_SECONDS since the last one (every step where steps take longer)."""
         if not _dist_on():
             return self.requested
+        self._since_poll += 1
+        self._until_poll -= 1
+        if self._until_poll > 0:
+            return False
+        now = time.perf_counter()
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([int(self.requested)], device=device)
+        flag = torch.tensor([int(self.requested), int((now - self._polled_at) * 1e6)], dtype=torch.int64,
+                            device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        self.polls += 1
+        stop, slowest_us = (int(x) for x in flag.tolist())
+        step_s = max(slowest_us * 1e-6 / self._since_poll, 1e-6)
+        self._until_poll = max(1, min(1000, int(self.POLL_SECONDS / step_s)))
+        self._since_poll, self._polled_at = 0, now
+        return bool(stop)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested and signum == signal.SIGINT:

@@ -332,15 +332,48 @@ def _two_rank_worker(rank: int, root: str, port: int) -> None:
         dist.destroy_process_group()
 
 
-def test_two_rank_gloo_save_and_load(tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
-    ctx = mp.spawn(_two_rank_worker, args=(str(root), _free_port()), nprocs=2, join=False)
-    deadline = time.monotonic() + 150
+def _join(ctx, what: str, seconds: float = 150) -> None:
+    deadline = time.monotonic() + seconds
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail("2-rank checkpoint test timed out")
+            pytest.fail(f"{what} test timed out")
+
+
+def _stop_poll_worker(rank: int, out: str, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        stop = install_stop_signals()
+        stop.POLL_SECONDS = 0.05
+        seen = None
+        for call in range(400):
+            time.sleep(0.004 if rank == 0 else 0.002)  # rank 0 is the slower one
+            if rank == 1 and call == 60:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.01)
+            if stop.should_stop():
+                seen = call
+                break
+        stop.restore()
+        Path(f"{out}-{rank}.json").write_text(json.dumps({"seen": seen, "polls": stop.polls}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_a_stop_at_the_same_step_without_polling_every_step(tmp_path: Path) -> None:
+    """Only rank 1 is signalled; both ranks see the stop at the same call, within about
+    POLL_SECONDS of steps of the slowest rank (here ~12 of 4 ms), having polled (one
+    all-reduce each) at a fraction of the calls."""
+    _join(mp.spawn(_stop_poll_worker, args=(str(tmp_path / "r"), _free_port()), nprocs=2, join=False), "stop poll")
+    r0, r1 = (json.loads((tmp_path / f"r-{rank}.json").read_text()) for rank in (0, 1))
+    assert r0 == r1, (r0, r1)
+    assert 60 <= r0["seen"] <= 60 + 40 and r0["polls"] < r0["seen"] / 3, r0
+
+
+def test_two_rank_gloo_save_and_load(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    _join(mp.spawn(_two_rank_worker, args=(str(root), _free_port()), nprocs=2, join=False), "2-rank checkpoint")
     for rank in (0, 1):
         r = json.loads((tmp_path / f"result-{rank}.json").read_text())
         assert r == {"path": "step-00000006", "w": [6.0] * 4, "rank": rank, "step": 6, "stopped": True}
