@@ -92,7 +92,7 @@ PIECE_COLUMNS = ("file_idx", "row_group", "start", "stop", "perm_key", "skip", "
 epoch, perm_key) when shuffling (perm_key: the unit's index in the plan that dealt it
 first), of which the piece reads `take` from position `skip` of the permutation (a resume
 on another world size skips what was read and splits units between workers)."""
-TAKE = PIECE_COLUMNS.index("take")
+START, STOP, SKIP, TAKE = (PIECE_COLUMNS.index(c) for c in ("start", "stop", "skip", "take"))
 
 
 @dataclass
@@ -259,7 +259,7 @@ class SequenceDataset(IterableDataset):
                         read -= int(piece[TAKE])
                         continue
                     piece = piece.copy()
-                    piece[5] += read
+                    piece[SKIP] += read
                     piece[TAKE] -= read
                     read = 0
                     left_pieces.append(piece)
@@ -534,7 +534,7 @@ def deal_rows(pieces: np.ndarray, workers: int) -> np.ndarray:
             part[TAKE] = min(room, int(piece[TAKE]))
             shares[g].append(part)
             room -= int(part[TAKE])
-            piece[5] += part[TAKE]
+            piece[SKIP] += part[TAKE]
             piece[TAKE] -= part[TAKE]
     rounds = max(len(share) for share in shares)
     if rounds == 0:
@@ -548,7 +548,7 @@ def _with_take(pieces: np.ndarray) -> np.ndarray:
     """Pieces saved before the `take` column: each read the rest of its unit."""
     if pieces.shape[1] == len(PIECE_COLUMNS):
         return pieces
-    return np.concatenate([pieces, (pieces[:, 3] - pieces[:, 2] - pieces[:, 5])[:, None]], axis=1)
+    return np.concatenate([pieces, (pieces[:, STOP] - pieces[:, START] - pieces[:, SKIP])[:, None]], axis=1)
 
 
 def make_loader(split_dir: str | os.PathLike, features: FeatureSpec, cfg: LoaderConfig, *, rank: int = 0,
