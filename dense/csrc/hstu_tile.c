@@ -128,7 +128,7 @@ static inline int time_bucket(const tile_args *t, int64_t ti, int64_t tj) {
   b = b < 0 ? 0 : (b > t->NB ? (int)t->NB : b);
   b += (x >= t->thr[b + 1]);
   b -= (x < t->thr[b]);
-  return b;
+  return b > t->NB ? (int)t->NB : b; /* |dt| = INT64_MAX reaches the sentinel thr[NB + 1] */
 }
 
 /* Length of the non-decreasing prefix of ts[0, n) (histories are sorted by time). */

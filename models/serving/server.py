@@ -93,6 +93,8 @@ BUSY = {"detail": "server busy: the request queue is full, retry shortly", "fiel
 RETRY_AFTER_S = "1"
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Time = Annotated[int, Field(ge=-(1 << 62), le=1 << 62)]
+"""A timestamp: any two differ by less than int64's range (the time bias takes |t_i - t_j|)."""
 Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 
@@ -109,7 +111,7 @@ def rank_body_model(max_events: int) -> type[BaseModel]:
 
         item_ids: Annotated[list[Int64], Field(min_length=1, max_length=max_events)]
         actions: Events
-        timestamps: Events
+        timestamps: Annotated[list[Time], Field(max_length=max_events)]
         features: dict[Name, Events] = Field(default_factory=dict, max_length=MAX_NAMED_FEATURES)
         context: dict[Name, Int64] = Field(default_factory=dict, max_length=MAX_NAMED_FEATURES)
         k: Count | None = None
@@ -118,7 +120,7 @@ def rank_body_model(max_events: int) -> type[BaseModel]:
         """Items returned; default min(10, k)."""
         exclude_seen: bool = False
         allowed_advertisers: Events | None = None
-        request_time: Int64 | None = None
+        request_time: Time | None = None
         sort_by: Name | None = None
 
     return RankBody

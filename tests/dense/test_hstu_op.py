@@ -119,6 +119,15 @@ def test_bf16_inputs_are_kept_in_bf16_for_the_backward():
     assert all(g.dtype == torch.bfloat16 for g in grads)
 
 
+def test_time_gaps_up_to_int64s_range_take_the_last_bucket():
+    """|t_i - t_j| = 2^63 - 1 (or 2^63 - 1 between -2^62 and 2^62 and more) falls in the
+    last bucket, as the reference clamps it, not one past ts_w."""
+    x = _inputs(3)
+    x["ts"] = torch.tensor([[0] * (N - 1) + [2**63 - 1]] * G)
+    x["ts"][1] = torch.tensor([-(2**62)] * 6 + [2**62] * (N - 6))
+    torch.testing.assert_close(_call(x).double(), _reference(x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("change, error", [
     (lambda x: x.update(lens=x["lens"].int()), "lens must be torch.int64"),
     (lambda x: x.update(v=x["v"].double()), "share fp32 or bf16"),
