@@ -32,10 +32,12 @@ class Batcher:
 
     def __init__(self, ranker: Ranker, *, max_batch_size: int, max_wait_ms: float, max_queue: int,
                  metrics: Any, workers: int = 1, threads: int | None = None) -> None:
-        if workers < 1:
-            raise ValueError(f"serve: workers must be >= 1, got {workers}")
-        if threads is not None and threads < 1:
-            raise ValueError(f"serve: threads must be >= 1, got {threads}")
+        for key, v in (("workers", workers), ("threads", threads), ("max_batch_size", max_batch_size),
+                       ("max_queue", max_queue)):
+            if v is not None and v < 1:
+                raise ValueError(f"serve: {key} must be >= 1, got {v}")
+        if not 0 <= max_wait_ms < float("inf"):
+            raise ValueError(f"serve: max_wait_ms must be a finite number >= 0, got {max_wait_ms}")
         self.ranker = ranker
         self.thread_budget = threads
         self.busy = 0  # workers ranking a batch now

@@ -58,6 +58,7 @@ from genrec.models.serving.ann import manifest_entry as ann_manifest_entry
 from genrec.models.serving.artifact import (
     DENSE_FILE, MANIFEST, ArtifactContents, ServingTable, load_artifact_contents,
 )
+from genrec.models.serving.config import ServingConfig
 from genrec.models.serving.mapped import RowCache
 from genrec.models.model import GenerativeRecommender, ModelConfig, retrieval_vectors
 
@@ -68,50 +69,6 @@ per micro-batch x history length). Rank step, bf16 / fp32 time on one AVX-512 BF
 layers: 500 candidates against 1,024 events 0.70 (d_qk 32) / 0.84 (d_qk 16), against 512
 0.77 / 0.90, against 256 0.97; 100 candidates against 1,024 0.97 / 1.10, against 128 1.20
 (converting costs more than small products gain)."""
-
-
-@dataclass(kw_only=True)
-class ServingConfig:
-    max_k: int = 1000
-    """Largest K (retrieved candidates) a request may ask for. K is not bounded by the tower's
-    max_seq_len: under the target-aware mask a candidate sees the history and itself only,
-    so candidates are scored in chunks that fit beside the history."""
-    max_n: int = 1000
-    """Largest N (returned items) a request may ask for."""
-    max_history: int | None = None
-    """Events kept per history (the most recent). None: the tower's max_seq_len - 1 (room
-    for one candidate beside the longest history)."""
-    max_request_events: int = 100_000
-    """Requests with more events than this are rejected, not truncated (bounds parsing work)."""
-    micro_batch: int = 512
-    """M-FALCON: candidates per user scored at once against the cached history (the
-    tower's own `target_micro_batch` does not apply). 500 candidates against a history of
-    1,024 (one thread, D = 64, 2 layers) ranked in 7.7-8.2 ms as one micro-batch of 512,
-    9.0-9.2 in two of 256, 9.5-10.3 in four of 128, 11.8-12.2 in eight of 64; the scores held
-    at once are users x heads x micro_batch x history floats (64 MB for a batch of 16
-    users, 2 heads, history 1,024)."""
-    retrieval_block_rows: int = 1 << 20
-    """Without the native scan (GENREC_DENSE_FUSED=0): item-index rows per matmul + top-k
-    block (bounds the score buffer: 4 bytes per row and user of a server batch). One top-k
-    over 1M scores costs about a third of 16 over 64K blocks and their merges."""
-    history_dtype: str = "auto"
-    """Dtype of the candidates' scores against the cached history (M-FALCON's [candidates x
-    history] products, the rank step's largest cost): "bf16" (fp32 accumulation; ranking
-    probabilities within about 2e-4 of fp32 in `genrec bench serve`), "fp32" (the training
-    model's arithmetic: served scores equal it), or "auto": bf16 where the CPU multiplies bf16
-    natively (AVX-512 BF16, AMX) and the products are large (`AUTO_BF16_MIN_SCORES`), else
-    fp32. The retrieval user vector is fp32 either way."""
-    advertiser_feature: str = "advertiser_id"
-    """Item side feature that `allowed_advertisers` filters on."""
-    exact_retrieval: bool = False
-    """Search the exact item index even when the artifact has an approximate one (recall checks)."""
-    ann_nprobe: int | None = None
-    """Lists the approximate index scans per query; None: the nprobe calibrated at export."""
-    table_cache_mb: float = 256.0
-    """Bound on the hot rows (fp32) held in this process per embedding table
-    (models/serving/mapped.py); 0: none. Only tables whose rows as fp32 exceed it get a
-    cache: a smaller table stays whole in the page cache, where a probe costs more than a
-    read. The tables stay memory-mapped either way."""
 
 
 @dataclass(kw_only=True)
@@ -192,8 +149,6 @@ class Ranker:
         for name, meta in m["tables"].items():
             for f in meta["features"]:
                 self.table_of[f] = contents.tables[name]
-        if not 0 <= self.cfg.table_cache_mb < float("inf"):
-            raise ValueError(f"ServingConfig.table_cache_mb must be a finite number >= 0, got {self.cfg.table_cache_mb}")
         cache_bytes = int(self.cfg.table_cache_mb * 2**20)
         for table in contents.tables.values():
             # A live delta's model keeps its base's caches (its tables share the base's rows).
@@ -231,9 +186,6 @@ class Ranker:
             self._native_scan = fused.library() is not None and self.item_rows_ND.is_contiguous()
             if self.item_scale_N is not None and not self._native_scan:
                 self._int8_blocks = self._pack_int8_index()
-        if self.cfg.history_dtype not in ("fp32", "bf16", "auto"):
-            raise ValueError(f"ServingConfig.history_dtype must be one of ['auto', 'bf16', 'fp32'], "
-                             f"got {self.cfg.history_dtype!r}")
         self._native_bf16 = fused.has_native_bf16()
         self.side_features = [f for f in self.model.candidate_features if f != features.item]
         max_seq_len = int(m["tower"]["max_seq_len"])

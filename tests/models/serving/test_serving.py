@@ -135,6 +135,27 @@ def test_history_dtype_auto_and_bad_values(setup):
         load_artifact(rankers["fp32"].path, ServingConfig(history_dtype="fp16"))
 
 
+@pytest.mark.parametrize("key, value", [("micro_batch", -1), ("micro_batch", 0), ("max_k", 0), ("max_n", 0),
+                                        ("max_request_events", 0), ("retrieval_block_rows", -5),
+                                        ("max_history", 0), ("ann_nprobe", 0), ("micro_batch", 2.5)])
+def test_serving_limits_below_one_are_refused_naming_the_key(key, value):
+    """micro_batch = -1 ranked uninitialised states with a 200; 0 answered every request
+    with a 500; a max_k of 0 started a server that refused every request."""
+    with pytest.raises(ValueError, match=f"ServingConfig.{key} must be an integer >= 1"):
+        ServingConfig(**{key: value})
+
+
+def test_batcher_limits_are_refused_naming_the_key(setup):
+    from genrec.models.serving.batcher import Batcher
+
+    _, _, rankers = setup
+    for kwargs, key in [(dict(max_batch_size=0), "max_batch_size"), (dict(max_queue=0), "max_queue"),
+                        (dict(max_wait_ms=float("nan")), "max_wait_ms"), (dict(workers=0), "workers")]:
+        args = dict(max_batch_size=4, max_wait_ms=1.0, max_queue=8) | kwargs
+        with pytest.raises(ValueError, match=f"serve: {key} must be"):
+            Batcher(rankers["fp32"], metrics=None, **args)
+
+
 def test_k_beyond_max_seq_len_minus_history(setup):
     """K + history may exceed the tower's max_seq_len: candidates go in chunks that fit, and
     each candidate's score is what the training model gives it in a smaller candidate set."""
