@@ -91,6 +91,11 @@ MAX_NAMED_FEATURES = 64
 ENDPOINTS = ("/v1/rank", "/healthz", "/metrics", "/admin/reload", "/admin/apply-delta")
 BUSY = {"detail": "server busy: the request queue is full, retry shortly", "field": None}
 RETRY_AFTER_S = "1"
+BODY_TIMEOUT_S = 10.0
+"""A request's body must arrive within this (8 MB at under 1 MB/s): a client that sends its
+headers and then stalls would otherwise hold a queue slot for good."""
+SHUTDOWN_GRACE_S = 5
+"""On SIGTERM, requests in flight get this long to finish before the server exits."""
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Time = Annotated[int, Field(ge=-(1 << 62), le=1 << 62)]
@@ -270,7 +275,12 @@ class _Gate:
             return
         self.admitted += admit
         try:
-            body = await self._read_body(scope, receive)
+            try:
+                body = await asyncio.wait_for(self._read_body(scope, receive), BODY_TIMEOUT_S)
+            except asyncio.TimeoutError:  # a client that stops sending must not hold a slot
+                await _send_json(send, 408, {"detail": f"body not received within {BODY_TIMEOUT_S:g} s",
+                                             "field": "body"}, headers=[(b"connection", b"close")])
+                return
             if body is None:
                 await _send_json(send, 413, {"detail": f"body exceeds {self.max_body_bytes} bytes", "field": "body"})
                 return
@@ -536,4 +546,5 @@ def serve(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 8080, *
                           max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
                           max_body_bytes=max_body_bytes, reload_dirs=reload_dirs, reload_enabled=token is not None,
                           allowed_hosts=allowed_hosts), file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", workers=1, access_log=False)
+    uvicorn.run(app, host=host, port=port, log_level="warning", workers=1, access_log=False,
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)

@@ -473,6 +473,28 @@ def test_full_queue_answers_503_with_retry_after(artifacts):
     assert sorted(results) == [(200, None)] * 2 + [(503, "1")] * 3
 
 
+def test_a_stalled_body_gets_408_and_frees_its_queue_slot(artifacts, monkeypatch):
+    """Clients that send their headers and a part of the body, then stop: their slots in
+    the queue (2 here) came back only when they disconnected, so /v1/rank answered 503."""
+    monkeypatch.setattr(server_module, "BODY_TIMEOUT_S", 0.5)
+    app = create_app(artifacts["v1"], max_queue=2, serving_cfg=ServingConfig(max_k=40))
+    with serve_in_thread(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        stalled = []
+        for _ in range(2):
+            s = socket.create_connection((host, int(port)), timeout=30)
+            s.sendall(f"POST /v1/rank HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                      "Content-Length: 100\r\n\r\n{".encode())
+            stalled.append(s)
+        with httpx.Client(base_url=url, timeout=30) as c:
+            time.sleep(0.2)
+            assert c.post("/v1/rank", json=BASE).status_code == 503
+            assert [_read_status_line(s) for s in stalled] == ["HTTP/1.1 408 Request Timeout"] * 2
+            assert c.post("/v1/rank", json=BASE).status_code == 200
+        for s in stalled:
+            s.close()
+
+
 def test_large_bodies_are_parsed_off_the_event_loop(artifacts, monkeypatch):
     threads = []
     real = server_module.parse_rank_request
