@@ -81,7 +81,7 @@ from genrec.models.evaluation.slices import (
     popularity_buckets,
 )
 from genrec.models.model import GenerativeRecommender, interleave_jagged
-from genrec.models.evaluation.report import collect_versions, write_report
+from genrec.models.evaluation.report import claim_report_dir, collect_versions, write_report
 from genrec.models.build import load_item_corpus
 from genrec.models.evaluation.validation import target_ranks
 from genrec.models.ids import jagged_ranges, sorted_positions
@@ -453,6 +453,7 @@ def run_evaluation(
     """
     if split not in ("test", "valid"):
         raise ValueError(f"split must be 'test' or 'valid', got {split!r}")
+    claim_report_dir(out_dir)  # refused now, not after the evaluation
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
     data_features = FeatureSpec(**manifest["features"])

@@ -44,6 +44,9 @@ from typing import Any
 from genrec.data.files import claim_output_dir, publish_dir, staging_dir
 
 REPORT_FILE = "report.json"
+REPORT_FORMAT = "genrec.report/1"
+"""report.json's `format`; with its `files` (the folder's other files), what makes a folder
+one that a new report may replace."""
 
 META_KEYS = ("config", "data_manifest_checksums", "versions")
 """Keys every report carries, kept nested in report.json."""
@@ -323,6 +326,13 @@ def _plot_names(report: Mapping[str, Any], plots: bool | Sequence[str]) -> list[
 # --------------------------------------------------------------------------- writer
 
 
+def claim_report_dir(out_dir: str | os.PathLike) -> Path:
+    """`out_dir` if a report may be written there: missing, empty, or an earlier report
+    whose files are all its own (it is then replaced); anything else is refused, before any
+    work starts, since replacing it would delete what genrec did not write."""
+    return claim_output_dir(out_dir, overwrite=True, manifest=REPORT_FILE, format=REPORT_FORMAT)
+
+
 def write_report(out_dir: str | os.PathLike, report: Mapping[str, Any], plots: bool | Sequence[str] = True) -> Path:
     """Write report.json, report.md and PNG plots into `out_dir`, atomically: everything goes
     into a temporary sibling folder first, which replaces `out_dir` only once complete, so an
@@ -332,12 +342,10 @@ def write_report(out_dir: str | os.PathLike, report: Mapping[str, Any], plots: b
     history_length / item_popularity slices when present), False for none, or a list of names:
     "calibration" or any slice column (e.g. a declared categorical column).
     """
-    # A previous report is replaced; any other non-empty folder is refused.
-    out_dir = claim_output_dir(out_dir, overwrite=True, manifest=REPORT_FILE)
-    payload = json.dumps(report_json(report), indent=2, allow_nan=False)
+    out_dir = claim_report_dir(out_dir)
+    body = report_json(report)
     tmp = staging_dir(out_dir)
     try:
-        (tmp / REPORT_FILE).write_text(payload + "\n")
         plot_files = []
         for name in _plot_names(report, plots):
             file = f"{name}.png"
@@ -347,7 +355,9 @@ def write_report(out_dir: str | os.PathLike, report: Mapping[str, Any], plots: b
                 _plot_slice(tmp / file, report, name)
             plot_files.append(file)
         (tmp / "report.md").write_text(_markdown(report, plot_files))
-        publish_dir(tmp, out_dir, manifest=REPORT_FILE)
+        body = {"format": REPORT_FORMAT, "files": sorted(["report.md", *plot_files]), **body}
+        (tmp / REPORT_FILE).write_text(json.dumps(body, indent=2, allow_nan=False) + "\n")
+        publish_dir(tmp, out_dir, manifest=REPORT_FILE, format=REPORT_FORMAT)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -111,8 +111,10 @@ def test_report_json_has_stable_flat_keys(report, tmp_path):
     assert got["data_manifest_checksums"] == {"test.parquet": "sha256:abc"}
     assert got["versions"]["torch"].startswith("2.")
     nested = [k for k, v in got.items() if isinstance(v, (dict, list)) and k not in
-              ("config", "data_manifest_checksums", "versions")]
+              ("config", "data_manifest_checksums", "versions", "files")]
     assert nested == []
+    assert got["format"] == "genrec.report/1"
+    assert got["files"] == ["calibration.png", "history_length.png", "item_popularity.png", "report.md"]
 
 
 def test_report_markdown_and_plots(report, tmp_path):
@@ -180,13 +182,12 @@ def test_slice_plot_has_error_bars_and_leaves_empty_buckets_empty(report):
 def test_report_replaces_atomically_and_leaves_nothing_on_error(report, tmp_path):
     out = tmp_path / "eval"
     write_report(out, report)
-    (out / "stale.png").write_bytes(b"old")
     before = (out / "report.json").read_text()
 
-    # Fails after report.json is already written (plots come later): the old report stays.
+    # Fails while the plots are drawn: the old report stays.
     with pytest.raises(ValueError, match="no slice column 'country'"):
         write_report(out, report, plots=["country"])
-    assert (out / "report.json").read_text() == before and (out / "stale.png").exists()
+    assert (out / "report.json").read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval"]  # no temp folder left behind
 
     with pytest.raises(ValueError, match="country"):
@@ -195,8 +196,28 @@ def test_report_replaces_atomically_and_leaves_nothing_on_error(report, tmp_path
 
     changed = dict(report, name="other")
     write_report(out, changed, plots=False)
-    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]  # old files are gone
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]  # the old report's plots are gone
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval"]
+
+
+@pytest.mark.parametrize("foreign", ["notes.md", "src/main.py"])
+def test_a_report_never_replaces_files_it_did_not_write(report, tmp_path, foreign):
+    """A folder holding an earlier report plus a file of someone else's, or any JSON named
+    report.json, is refused naming the file; nothing in it is touched."""
+    out = tmp_path / "eval"
+    write_report(out, report, plots=False)
+    (out / foreign).parent.mkdir(exist_ok=True)
+    (out / foreign).write_text("mine")
+    with pytest.raises(ValueError, match=foreign):
+        write_report(out, report, plots=False)
+    assert (out / foreign).read_text() == "mine"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "report.json").write_text('{"mine": true}')
+    (other / foreign.split("/")[0]).write_text("mine")
+    with pytest.raises(ValueError, match="not a genrec output of this kind"):
+        write_report(other, report, plots=False)
+    assert sorted(p.name for p in other.iterdir()) == sorted(["report.json", foreign.split("/")[0]])
 
 
 def test_report_rejects_bad_input_naming_the_key(report, tmp_path):
