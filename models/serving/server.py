@@ -63,6 +63,7 @@ import asyncio
 import hmac
 import json
 import os
+import socket
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -209,8 +210,12 @@ def host_name(host: str) -> str:
 
 
 def _normalize_host(name: str) -> str:
+    """An --allowed-hosts entry as `host_name` reads a Host header: 'A.example:8080' ->
+    'a.example', '::1' or '[::1]:80' -> '[::1]' (ports are not matched, as for loopback)."""
     name = name.strip().lower()
-    return f"[{name}]" if ":" in name and not name.startswith("[") else name
+    if name.count(":") > 1 and not name.startswith("["):  # a bare IPv6 address
+        return f"[{name}]"
+    return host_name(name)
 
 
 def _header(scope: dict, name: bytes) -> str | None:
@@ -490,7 +495,10 @@ def read_reload_token(token_file: str | Path | None) -> str | None:
     off). Never a command-line value: those are visible to every user in `ps`."""
     if token_file is not None:
         path = Path(token_file)
-        token = path.read_text().strip()
+        try:
+            token = path.read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the reload token file {path}: {e}") from None
         if not token:
             raise ValueError(f"serve: reload token file {path} is empty")
         if path.stat().st_mode & 0o077:
@@ -530,6 +538,8 @@ def serve(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 8080, *
 
     if threads < 1 or workers < 1:
         raise ValueError(f"serve: threads and workers must be >= 1, got {threads} and {workers}")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535] (0: any free port), got {port}")
     token = read_reload_token(reload_token_file)
     torch.set_num_threads(threads)
     try:
@@ -542,9 +552,31 @@ def serve(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 8080, *
     app = create_app(artifact_dir, serving_cfg=serving_cfg, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
                      max_body_bytes=max_body_bytes, max_queue=max_queue, reload_token=token,
                      reload_dirs=reload_dirs, allowed_hosts=allowed_hosts, workers=workers, threads=threads)
-    print(startup_summary(app.state.batcher.ranker, artifact_dir, host=host, port=port, threads=threads, workers=workers,
-                          max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
-                          max_body_bytes=max_body_bytes, reload_dirs=reload_dirs, reload_enabled=token is not None,
-                          allowed_hosts=allowed_hosts), file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", workers=1, access_log=False,
-                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    sock = listen_socket(host, port)  # bound before the summary, which then names the real port
+    print(startup_summary(app.state.batcher.ranker, artifact_dir, host=host, port=sock.getsockname()[1],
+                          threads=threads, workers=workers, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
+                          max_queue=max_queue, max_body_bytes=max_body_bytes, reload_dirs=reload_dirs,
+                          reload_enabled=token is not None, allowed_hosts=allowed_hosts), file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (0: a free port), or a ValueError naming both (a
+    name that does not resolve, an address in use or not this machine's)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e}") from None
+    return sock

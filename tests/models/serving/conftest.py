@@ -34,14 +34,14 @@ def artifacts(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def server(artifacts, tmp_path_factory):
-    """`genrec serve` of v1 with K <= 40, reload on (token file, the artifacts' root) and one
-    extra Host name. Tests that reload put v1 back."""
+    """`genrec serve` of v1 with K <= 40, reload on (token file, the artifacts' root) and two
+    extra Host names (one given with a port, which is not matched; one IPv6). Tests that reload put v1 back."""
     token_file = tmp_path_factory.mktemp("secret") / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
     proc = ServerProcess(artifacts["v1"], extra=[
         "--max-k", "40", "--max-wait-ms", "5", "--reload-token-file", str(token_file),
-        "--reload-dir", str(artifacts["root"]), "--allowed-hosts", "ranker.test"])
+        "--reload-dir", str(artifacts["root"]), "--allowed-hosts", "Ranker.Test:9999,2001:db8::1"])
     try:
         yield {"url": proc.url, "arts": artifacts, "feats": artifacts["feats"], "proc": proc}
     finally:

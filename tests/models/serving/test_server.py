@@ -145,7 +145,7 @@ def test_chunked_oversized_body_does_not_grow_the_server(server):
 
 @pytest.mark.parametrize("host,ok", [
     ("127.0.0.1", True), ("localhost:8080", True), ("[::1]:1234", True), ("LOCALHOST", True),
-    ("ranker.test:80", True),                      # --allowed-hosts
+    ("ranker.test:80", True), ("RANKER.test", True), ("[2001:db8::1]:8080", True),  # --allowed-hosts
     ("evil.example", False), ("evil.example:8080", False), ("127.0.0.1.evil.example", False),
 ])
 def test_only_loopback_and_allowed_host_headers_are_served(server, host, ok):
@@ -430,6 +430,27 @@ def test_reload_token_comes_from_a_file_or_the_environment(monkeypatch, tmp_path
     path.write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         read_reload_token(path)
+
+
+def test_serve_start_up_errors_are_one_line_naming_the_value(artifacts, tmp_path, capsys):
+    from genrec.scripts.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for argv, match in ([["--port", "99999"], "--port must be in [0, 65535]"],
+                            [["--reload-token-file", str(tmp_path)], f"cannot read the reload token file {tmp_path}"],
+                            [["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"],
+                            [["--host", "no-such-host.invalid"], "cannot listen on no-such-host.invalid"]):
+            assert main(["serve", "--artifact", str(artifacts["v1"]), *argv]) == 1
+            err = capsys.readouterr().err
+            assert f"genrec serve: error: {match}" in err and "Traceback" not in err, err
+    sock = server_module.listen_socket("127.0.0.1", 0)  # port 0: the summary names the port bound
+    try:
+        assert sock.getsockname()[1] > 0
+    finally:
+        sock.close()
 
 
 @pytest.mark.parametrize("kwargs,match", [
