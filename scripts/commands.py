@@ -82,7 +82,7 @@ def export(args: argparse.Namespace) -> int:
     out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, version=args.model_version,
                             data_dir=args.data, overwrite=args.overwrite, retrieval_index=args.retrieval_index,
                             delta_since=args.delta_since)
-    print(f"wrote artifact {out}")
+    print(f"wrote {'delta' if args.delta_since else 'artifact'} {out}")
     return 0
 
 

@@ -36,6 +36,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
     POST /admin/apply-delta. dtype: default the base's for a delta (a delta must match
     it), else fp32.
     """
+    if delta_since is not None and retrieval_index == "ivf":
+        raise ValueError("export: --retrieval-index ivf and --delta-since do not go together: a delta carries the "
+                         "exact item index only (export a full artifact for an approximate index)")
     if dtype is None:
         dtype = read_manifest(delta_since)["dtype"] if delta_since is not None else "fp32"
     step_dir, run_dir = resolve_checkpoint(checkpoint)
@@ -67,7 +70,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
         )
     claim_output_dir(out_dir, overwrite=overwrite, manifest=MANIFEST, format=DELTA_FORMAT)
     # The full artifact is written aside (a folder of our own, removed after), then diffed.
-    full = Path(tempfile.mkdtemp(prefix=f".{Path(out_dir).name}.full-", dir=Path(out_dir).resolve().parent))
+    parent = Path(out_dir).resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    full = Path(tempfile.mkdtemp(prefix=f".{Path(out_dir).name}.full-", dir=parent))
     try:
         export_artifact(model, to_dict(cfg), full / "artifact", dtype=dtype, item_ids=model.item_corpus,
                         version=version, item_features=item_features, retrieval_index="exact")

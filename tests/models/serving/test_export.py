@@ -50,17 +50,27 @@ def test_export_reads_data_from_the_flag_and_versions_by_dtype(moved_run, tmp_pa
     assert torch.equal(load_artifact_contents(tmp_path / "fp32").item_ids_N, load_item_corpus(data)[0])
 
 
-def test_a_delta_takes_its_bases_dtype_unless_told(moved_run, tmp_path):
+def test_a_delta_takes_its_bases_dtype_unless_told(moved_run, tmp_path, capsys):
     """The quickstart's artifact is int8: `genrec export --delta-since BASE` without --dtype
-    writes an int8 delta (an fp32 one would be refused by the base)."""
+    writes an int8 delta (an fp32 one would be refused by the base), into a folder whose
+    parent is made for it; an approximate index is refused with a delta."""
     import json
 
     run, data = moved_run
     base = tmp_path / "base"
     assert main(["export", "--checkpoint", str(run), "--out", str(base), "--dtype", "int8", "--data", str(data)]) == 0
-    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "delta"), "--data", str(data),
+    delta = tmp_path / "deltas" / "d1"  # a parent that does not exist yet
+    assert main(["export", "--checkpoint", str(run), "--out", str(delta), "--data", str(data),
                  "--delta-since", str(base)]) == 0
-    assert json.loads((tmp_path / "delta" / "manifest.json").read_text())["artifact"]["dtype"] == "int8"
+    assert json.loads((delta / "manifest.json").read_text())["artifact"]["dtype"] == "int8"
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote delta {delta}"
+    assert sorted(p.name for p in delta.parent.iterdir()) == ["d1"]  # the full artifact aside is gone
+
+    # An approximate index is not part of a delta: asking for one is refused, not ignored.
+    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "d2"), "--data", str(data),
+                 "--delta-since", str(base), "--retrieval-index", "ivf"]) == 1
+    assert "--retrieval-index ivf and --delta-since do not go together" in capsys.readouterr().err
+    assert not (tmp_path / "d2").exists()
 
 
 def test_export_flags_reach_export_checkpoint(monkeypatch):
