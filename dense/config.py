@@ -98,29 +98,29 @@ class TowerConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in ("hstu", "sasrec", "transformer"):
-            raise ValueError(f"TowerConfig.kind must be 'hstu', 'sasrec' or 'transformer', got {self.kind!r}")
+            raise ValueError(f"dense.kind must be 'hstu', 'sasrec' or 'transformer', got {self.kind!r}")
         if self.num_time_buckets > 255:
-            raise ValueError(f"TowerConfig.num_time_buckets must be <= 255 (uint8 bucket index), got {self.num_time_buckets}")
+            raise ValueError(f"dense.num_time_buckets must be <= 255 (uint8 bucket index), got {self.num_time_buckets}")
         for name in ("embedding_dim", "num_layers", "num_heads", "attention_dim", "linear_dim",
                      "max_seq_len", "num_time_buckets", "target_micro_batch",
                      "attention_block_elems", "ffn_multiplier", "lowpass_window"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"TowerConfig.{name} must be positive, got {getattr(self, name)}")
+                raise ValueError(f"dense.{name} must be positive, got {getattr(self, name)}")
         for name in ("dropout", "input_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"TowerConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+                raise ValueError(f"dense.{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0.0 <= self.lowpass_mix <= 1.0:
-            raise ValueError(f"TowerConfig.lowpass_mix must be in [0, 1], got {self.lowpass_mix}")
+            raise ValueError(f"dense.lowpass_mix must be in [0, 1], got {self.lowpass_mix}")
         if self.lowpass_mix and self.kind != "hstu":
-            raise ValueError(f"TowerConfig.lowpass_mix is an HSTU branch; kind {self.kind!r} has none")
+            raise ValueError(f"dense.lowpass_mix is an HSTU branch; kind {self.kind!r} has none")
         if not 0.0 < self.bucket_min_fill <= 1.0:
-            raise ValueError(f"TowerConfig.bucket_min_fill must be in (0, 1], got {self.bucket_min_fill}")
+            raise ValueError(f"dense.bucket_min_fill must be in (0, 1], got {self.bucket_min_fill}")
         if self.time_bias_query not in ("own", "next"):
-            raise ValueError(f'TowerConfig.time_bias_query must be "own" or "next", got {self.time_bias_query!r}')
+            raise ValueError(f'dense.time_bias_query must be "own" or "next", got {self.time_bias_query!r}')
         if self.kind == "hstu" and self.kernel == "sdpa":
-            raise ValueError('TowerConfig.kernel="sdpa" is a Transformer kernel; HSTU takes "chunked" or "triton"')
+            raise ValueError('dense.kernel="sdpa" is a Transformer kernel; HSTU takes "chunked" or "triton"')
         if self.kind != "hstu" and self.kernel in ("chunked", "triton"):
-            raise ValueError(f'TowerConfig.kernel="{self.kernel}" is an HSTU kernel; kind {self.kind!r} takes "sdpa"')
+            raise ValueError(f'dense.kernel="{self.kernel}" is an HSTU kernel; kind {self.kind!r} takes "sdpa"')
 
     @property
     def resolved_kernel(self) -> str:

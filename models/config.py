@@ -9,8 +9,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
+
+import torch
 
 from genrec.data.config import FeatureSpec
 from genrec.data.loader import LoaderConfig
@@ -42,22 +45,30 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _check("train.optim", self, nonnegative=("lr", "weight_decay", "warmup_steps"), positive=("eps",))
-        if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
-            raise ValueError(f"train.optim.grad_clip_norm must be > 0 or none, got {self.grad_clip_norm}")
+        _check("train.optim", self, positive=("grad_clip_norm",))  # or none: no clipping
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"train.optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"train.optim.betas must be two numbers in [0, 1), got {self.betas}")
 
 
-def _check(section: str, obj: object, *, positive: tuple[str, ...] = (), nonnegative: tuple[str, ...] = ()) -> None:
-    """ValueError naming `section.key` for a number out of range."""
-    for name in positive:
-        if getattr(obj, name) <= 0:
-            raise ValueError(f"{section}.{name} must be > 0, got {getattr(obj, name)}")
-    for name in nonnegative:
-        if getattr(obj, name) < 0:
-            raise ValueError(f"{section}.{name} must be >= 0, got {getattr(obj, name)}")
+_RANGES = {"positive": (lambda v: v > 0, "> 0"), "nonnegative": (lambda v: v >= 0, ">= 0"),
+           "fraction": (lambda v: 0 <= v <= 1, "in [0, 1]"), "decay": (lambda v: 0 <= v < 1, "in [0, 1)"),
+           "probability": (lambda v: 0 < v <= 1, "in (0, 1]")}
+
+
+def _check(section: str, obj: object, **names: tuple[str, ...]) -> None:
+    """ValueError naming `section.key` for a number out of range (`positive=("lr",)`, or
+    nonnegative, fraction [0, 1], decay [0, 1), probability (0, 1]) or not finite; an optional key left
+    unset (None) passes. NaN fails every comparison, inf is refused by name."""
+    for kind, keys in names.items():
+        ok, wanted = _RANGES[kind]
+        for name in keys:
+            value = getattr(obj, name)
+            if value is None:
+                continue
+            if not (ok(value) and math.isfinite(value)):
+                raise ValueError(f"{section}.{name} must be a finite number {wanted}, got {value}")
 
 
 @dataclass(kw_only=True)
@@ -158,3 +169,30 @@ class JobConfig:
     dense: TowerConfig = field(default_factory=TowerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        # The sections that do not check their own numbers, named as a run file names them
+        # (a NaN rate or a zero temperature otherwise surfaced steps later as a NaN loss).
+        _check("model", self.model, positive=("temperature", "contrastive_temperature", "num_negatives",
+                                              "full_softmax_max_items", "ranking_hidden_dim"),
+               nonnegative=("retrieval_weight", "contrastive_weight"))
+        for i, weight in enumerate(self.model.task_weights):
+            if not (weight >= 0 and math.isfinite(weight)):
+                raise ValueError(f"model.task_weights[{i}] must be a finite number >= 0, got {weight}")
+        _check("data.loader", self.data.loader, positive=("batch_size", "max_seq_len", "num_candidates",
+                                                          "prefetch_factor"),
+               nonnegative=("stochastic_length_min", "num_workers"),
+               fraction=("stochastic_length_prob", "random_end_prob"))
+        _check("sparse", self.sparse, positive=("ssd_slab_rows",), nonnegative=("snapshot_max_deltas",))
+        if self.sparse.device is not None:
+            try:
+                torch.device(self.sparse.device)
+            except RuntimeError:
+                raise ValueError(f"sparse.device must name a torch device (cpu, cuda, cuda:1) or be unset, "
+                                 f"got {self.sparse.device!r}") from None
+        for table in self.sparse.tables:
+            _check(f"sparse.tables.{table.name}", table,
+                   positive=("embedding_dim", "num_embeddings", "eps", "admit_min_count", "admit_max_pending",
+                             "ttl_seconds", "max_rows"),
+                   nonnegative=("learning_rate", "weight_decay", "init_scale", "device_rows", "host_rows"),
+                   decay=("beta1", "beta2"), probability=("admit_probability",))

@@ -163,10 +163,10 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"config file {path} does not exist")
+            raise ValueError(f"config file {path} " + ("is a directory" if path.is_dir() else "does not exist"))
         try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as e:
             raise ValueError(f"config file {path}: {e}") from None
     for assignment in overrides:
         apply_override(data, assignment)

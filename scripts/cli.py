@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_known_warnings()
     try:
         return run_command(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        # User-input errors: one clear line, non-zero exit, no traceback.
+    except (ValueError, OSError) as e:
+        # Bad input, a path through a file, no permission: one line, no traceback.
         print(f"genrec {args.command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -80,6 +80,12 @@ def test_an_override_names_a_table_of_an_array_by_name_or_index(tmp_path):
 def test_file_errors_name_the_file(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_config(Root, tmp_path / "missing.toml")
+    with pytest.raises(ValueError, match=f"config file {tmp_path} is a directory"):
+        load_config(Root, tmp_path)
+    latin = tmp_path / "latin1.toml"
+    latin.write_bytes('[section]\nnames = ["caf\u00e9"]\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=f"config file {latin}: 'utf-8' codec"):
+        load_config(Root, latin)
     bad = tmp_path / "bad.toml"
     bad.write_text("[tables]\nname = 'x'\n")
     with pytest.raises(ValueError, match=f"{bad}.*tables: expected a list"):
@@ -103,3 +109,34 @@ def test_none_turns_off_an_optional_setting_and_survives_a_round_trip(tmp_path):
     assert "num_epochs" not in saved["train"]  # a None that is the default stays out, as before
     with pytest.raises(ValueError, match="train.log_every: expected an integer, got 'none'"):
         load_config(JobConfig, None, ["train.log_every=none"])  # not optional: still an error
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.optim.lr=inf", "train.optim.lr must be a finite number >= 0, got inf"),
+    ("train.optim.lr=nan", "train.optim.lr must be a finite number >= 0, got nan"),
+    ("train.optim.eps=nan", "train.optim.eps must be a finite number > 0"),
+    ("train.optim.grad_clip_norm=nan", "train.optim.grad_clip_norm must be a finite number > 0"),
+    ("model.temperature=0", "model.temperature must be a finite number > 0, got 0"),
+    ("model.temperature=-1", "model.temperature must be a finite number > 0"),
+    ("model.task_weights=[1.0, -2.0]", "model.task_weights[1] must be a finite number >= 0"),
+    ("data.loader.prefetch_factor=-3", "data.loader.prefetch_factor must be a finite number > 0"),
+    ("data.loader.random_end_prob=1.5", "data.loader.random_end_prob must be a finite number in [0, 1]"),
+    ("sparse.ssd_slab_rows=0", "sparse.ssd_slab_rows must be a finite number > 0"),
+    ('sparse.device="tpu"', "sparse.device must name a torch device"),
+    ("sparse.tables.item.learning_rate=-1", "sparse.tables.item.learning_rate must be a finite number >= 0"),
+    ("sparse.tables.item.host_rows=-1", "sparse.tables.item.host_rows must be a finite number >= 0"),
+    ("sparse.tables.item.max_rows=0", "sparse.tables.item.max_rows must be a finite number > 0"),
+    ("sparse.tables.item.beta2=1.0", "sparse.tables.item.beta2 must be a finite number in [0, 1)"),
+    ("sparse.tables.item.admit_probability=0", "sparse.tables.item.admit_probability must be a finite number in (0, 1]"),
+])
+def test_numbers_out_of_range_are_refused_at_load_naming_the_key(override, message):
+    """Every shipped config loads; a NaN, an infinity or a value out of its range in any
+    section is refused when the config loads (it trained on NaN, divided by a zero
+    temperature, or silently inverted the softmax), naming the key as the run file does."""
+    from pathlib import Path
+
+    configs = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.toml"))
+    for path in configs:
+        load_config(JobConfig, path)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(JobConfig, configs[0], [override])
