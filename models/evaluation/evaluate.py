@@ -59,10 +59,10 @@ from tqdm import tqdm
 
 from genrec.data.batch import Batch
 from genrec.data.config import FeatureSpec
-from genrec.data.files import sha256_file
 from genrec.data.loader import LoaderConfig, make_loader
 from genrec.data.prepare import load_manifest
 from genrec.models.evaluation.baselines import AD_RATE, ORACLE, ORACLE_TASK, AdRateScorer, OracleScorer
+from genrec.models.evaluation.data_files import manifest_checksums, split_rows, trained_on_data
 from genrec.models.evaluation.metrics import (
     MeanOfRuns,
     RankingMetrics,
@@ -191,7 +191,11 @@ def load_scored(path: str | Path, data_dir: Path) -> _Scored:
     print(f"genrec eval: {path} -> {chosen} checkpoint {step_dir.name}{detail}", file=sys.stderr, flush=True)
     # The item corpus comes from the data being evaluated, not from where the run trained.
     cfg, model = load_trained(step_dir, overrides={"data": {"path": str(data_dir)}})
-    config = {**to_dict(cfg), "checkpoint": {"step_dir": step_dir.name, "chosen": chosen,
+    trained_on, other_data = trained_on_data(run_dir, Path(data_dir))
+    if other_data:
+        print(f"genrec eval: warning: {path} trained on {trained_on}, whose prepared files differ from those of "
+              f"{data_dir}: its figures are not those of a run trained on this data", file=sys.stderr, flush=True)
+    config = {**to_dict(cfg), "checkpoint": {"step_dir": step_dir.name, "chosen": chosen, "trained_on": trained_on,
                                              **({"best": best} if chosen == "best-validation" else {})}}
     return _Scored(name=run_dir.resolve().name, source=str(path), model=model, features=cfg.data.features,
                    tasks=list(cfg.model.ranking_tasks) if cfg.model.ranking else [],
@@ -370,23 +374,6 @@ def _read_item_counts(data_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[order], counts[order]
 
 
-def _manifest_checksums(data_dir: Path, manifest: dict) -> dict[str, str]:
-    out = {"manifest.json": "sha256:" + sha256_file(data_dir / "manifest.json")}
-    for rel, info in sorted(manifest.get("outputs", {}).items()):
-        out[rel] = f"sha256:{info['sha256']}"
-    return out
-
-
-def _split_rows(split_dir: Path) -> int:
-    if not split_dir.is_dir():
-        raise ValueError(f"{split_dir}: no such split directory in the prepared data")
-    files = sorted(split_dir.glob("*.parquet"))
-    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-    if rows == 0:
-        raise ValueError(f"{split_dir}: the split is empty (no evaluation rows)")
-    return rows
-
-
 def _check_labels(rows: _Rows, labels: list[str], split_dir: Path) -> None:
     bad_CL = (rows.labels_CL != 0) & (rows.labels_CL != 1)
     if bool(bad_CL.any()):
@@ -458,7 +445,7 @@ def run_evaluation(
     manifest = load_manifest(data_dir)
     data_features = FeatureSpec(**manifest["features"])
     split_dir = data_dir / split
-    num_rows = _split_rows(split_dir)
+    num_rows = split_rows(split_dir)
     if slice_columns is None:
         slice_columns = [DEFAULT_SLICE_COLUMN] if DEFAULT_SLICE_COLUMN in data_features.sparse else []
     for column in slice_columns:
@@ -588,7 +575,7 @@ def run_evaluation(
         "run": main.config,
         **({"compare_run": models[len(runs_a)].config} if runs_b else {}),
     }
-    report["data_manifest_checksums"] = _manifest_checksums(data_dir, manifest)
+    report["data_manifest_checksums"] = manifest_checksums(data_dir, manifest)
     report["versions"] = collect_versions()
     plots = (["calibration"] if report.get("ranking") else []) + ["history_length", "item_popularity", *slice_columns]
     return write_report(out_dir, report, plots=plots)

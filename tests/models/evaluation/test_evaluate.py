@@ -249,6 +249,23 @@ def test_several_runs_per_side_compare_per_pair_and_as_means(trained, report, tm
                                                                 + first["retrieval.mrr"]) / 2)
 
 
+def test_a_run_evaluated_on_other_data_than_it_trained_on_says_so(trained, tmp_path, capsys):
+    """The report keeps the data.path the run trained on (its config holds the evaluated
+    one), and a run trained on other prepared files is warned about; a copy of the same
+    files is the same data."""
+    run, data = trained
+    cfg = tiny_config(data, run)
+    other = tmp_path / "other"  # the same log prepared into one shard: other files
+    prepare(run.parent / "logs", other, cfg.data.features, cfg.data.prepare.split, num_shards=1,
+            row_group_users=16, progress=False)
+    rep = _evaluate(run, other, tmp_path / "other-eval")
+    assert rep["config"]["run"]["checkpoint"]["trained_on"] == str(data)
+    assert rep["config"]["run"]["data"]["path"] == str(other)
+    assert f"{run} trained on {data}, whose prepared files differ from those of {other}" in capsys.readouterr().err
+    _evaluate(run, _copy_data(data, tmp_path / "copy"), tmp_path / "copy-eval")
+    assert "trained on" not in capsys.readouterr().err
+
+
 def _copy_data(data: Path, to: Path) -> Path:
     shutil.copytree(data, to)
     return to
