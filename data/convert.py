@@ -12,8 +12,9 @@ Sources and what each line becomes:
     criteo      "label \\t I1..I13 \\t C1..C26"  (Kaggle DAC, TAB-separated, no header)
                 -> one impression per row, see below
 
-Ids: a token that is a base-10 integer is kept as that int64; any other token is hashed
-with `schema.hash_string_id`. Interactions without a type (sasrec-txt, s3rec-txt) get
+Ids: a token that is a base-10 integer in [0, 2**63) is kept as that int64; any other token
+(a negative number too: negative ids are the sparse store's own) is hashed with
+`schema.hash_string_id`. Interactions without a type (sasrec-txt, s3rec-txt) get
 action 1 (a positive interaction, like a click).
 
 Files without timestamps (sasrec-txt, s3rec-txt, criteo) get the event's position as its
@@ -228,10 +229,11 @@ def _lines(path: Path, *, strip: bool = True) -> Iterator[tuple[int, str]]:
 
 
 def _id(token: str) -> int:
-    """A base-10 int64 token stays itself; anything else is a string id and is hashed."""
-    if token.isascii() and (token[1:] if token.startswith("-") else token).isdigit():  # "--5" is a string id
+    """A base-10 token in [0, 2**63) stays itself; anything else ("-3", "1e5", "--5") is a
+    string id and is hashed, which never gives a negative id."""
+    if token.isascii() and token.isdigit():
         value = int(token)
-        if -_INT64_MAX - 1 <= value <= _INT64_MAX:
+        if value <= _INT64_MAX:
             return value
     return hash_string_id(token)
 
@@ -257,6 +259,8 @@ def _parse_movielens(path: Path) -> Iterator[Row]:
             ts = int(fields[3])
         except ValueError:
             raise _malformed(path, number, line, "rating and timestamp must be integers") from None
+        if not (-_INT64_MAX - 1 <= rating <= _INT64_MAX and -_INT64_MAX - 1 <= ts <= _INT64_MAX):
+            raise _malformed(path, number, line, "rating and timestamp must fit int64")
         yield _id(fields[0]), _id(fields[1]), rating, ts
 
 
@@ -339,8 +343,8 @@ def _criteo_line_error(path: Path) -> ValueError:
         if fields[0] not in ("0", "1"):
             return _malformed(path, number, raw, f"label must be 0 or 1, got {fields[0]!r}")
         for name, value in zip(CRITEO_INT_COLUMNS, fields[1:14]):
-            if value and not value.lstrip("-").isdigit():
-                return _malformed(path, number, raw, f"{name} must be an integer or empty, got {value!r}")
+            if value and not (value.lstrip("-").isdigit() and -_INT64_MAX - 1 <= int(value) <= _INT64_MAX):
+                return _malformed(path, number, raw, f"{name} must be an int64 integer or empty, got {value!r}")
         for name, value in zip(CRITEO_CAT_COLUMNS, fields[14:]):
             if value and (len(value) != 8 or any(ch not in "0123456789abcdefABCDEF" for ch in value)):
                 return _malformed(path, number, raw, f"{name} must be 8 hex digits or empty, got {value!r}")

@@ -12,8 +12,9 @@ need the same thing they keep a short copy that says so.
 The overwrite rule: an output folder may be absent or empty; a non-empty one is replaced
 only with `overwrite`, and only when it holds a genrec output of the same kind (its
 manifest, with the same format) and, where the manifest lists its files, nothing else (a
-user's notes, or the very input being converted). Anything else is refused, naming the
-path, so that `--overwrite` never deletes what genrec did not write.
+user's notes, a link or an empty folder of theirs, or the very input being converted).
+Anything else is refused, naming the path, so that `--overwrite` never deletes what genrec
+did not write.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -88,10 +89,18 @@ def holds_output(out: Path, manifest: str, format: str | None = None) -> bool:
 
 def claim_output_dir(out_dir: str | os.PathLike, *, overwrite: bool, manifest: str,
                      format: str | None = None, flag: str = "--overwrite") -> Path:
-    """Check `out_dir` before any work starts (see the module docstring); returns it as a
-    Path. Nothing is removed here: `publish_dir` replaces the folder at the end."""
-    out = Path(out_dir)
+    """Check `out_dir` before any work starts (see the module docstring); returns it as an
+    absolute Path. Nothing is removed here: `publish_dir` replaces the folder at the end."""
+    # Absolute: the staging folder goes beside `out` (in its parent, under its name) and is
+    # renamed onto it; `.` has no name, and its parent would be itself.
+    out = Path(os.path.abspath(out_dir))
     if not out.exists():
+        # A file where a parent folder should be would only fail at the end, after the work.
+        for parent in out.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise OutputExistsError(f"output path {out} cannot be made: {parent} is a file, not a folder")
+                break
         return out
     if not out.is_dir():
         raise OutputExistsError(f"output path {out} exists and is not a directory")
@@ -104,7 +113,7 @@ def claim_output_dir(out_dir: str | os.PathLike, *, overwrite: bool, manifest: s
     if not holds_output(out, manifest, format):
         raise OutputExistsError(f"refusing to replace {out}: it is not a genrec output of this kind (no {kind} in it); "
                          "remove it yourself or choose another output")
-    foreign = _unlisted_files(out, manifest)
+    foreign = _unlisted_entries(out, manifest)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise OutputExistsError(f"refusing to replace {out}: it holds files its {manifest} does not list ({shown}), "
@@ -112,9 +121,11 @@ def claim_output_dir(out_dir: str | os.PathLike, *, overwrite: bool, manifest: s
     return out
 
 
-def _unlisted_files(out: Path, manifest: str) -> list[str]:
-    """Files under `out` that its manifest's file list (`files` or `outputs`: names, or a
-    mapping by name) does not name, the manifest aside; none to check where it lists none."""
+def _unlisted_entries(out: Path, manifest: str) -> list[str]:
+    """Entries under `out` that its manifest's file list (`files` or `outputs`: names, or a
+    mapping by name) does not name, the manifest aside; none to check where it lists none.
+    A folder is the output's own only while it holds a listed name: a link (to a folder
+    too) or an empty folder that is not listed is someone else's, and is reported whole."""
     meta = json.loads((out / manifest).read_text())
     listed: set[str] = set()
     for key in ("files", "outputs"):
@@ -123,8 +134,24 @@ def _unlisted_files(out: Path, manifest: str) -> list[str]:
             listed.update(str(name) for name in value)
     if not listed:
         return []
-    present = (p.relative_to(out).as_posix() for p in out.rglob("*") if not p.is_dir())
-    return sorted(name for name in present if name not in listed and name != manifest)
+    own_dirs = {parent.as_posix() for name in listed for parent in PurePosixPath(name).parents}
+    unlisted = []
+    # os.walk lists a link to a folder among the folders and, unasked, never follows it.
+    for root, dirs, files in os.walk(out):
+        rel_root = Path(root).relative_to(out)
+        descend = []
+        for name in dirs:
+            rel = (rel_root / name).as_posix()
+            if rel in listed:
+                continue
+            if rel in own_dirs and not os.path.islink(os.path.join(root, name)):
+                descend.append(name)
+            else:
+                unlisted.append(rel)
+        dirs[:] = descend
+        unlisted += [rel for rel in ((rel_root / name).as_posix() for name in files)
+                     if rel not in listed and rel != manifest]
+    return sorted(unlisted)
 
 
 def staging_dir(out: Path) -> Path:

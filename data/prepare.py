@@ -42,9 +42,9 @@ with more events than a bucket holds.
 
 from __future__ import annotations
 
-import glob as globlib
 import json
 import os
+import resource
 import shutil
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,6 +60,7 @@ from tqdm import tqdm
 
 from genrec.data.config import FeatureSpec
 from genrec.data.files import atomic_write_text, claim_output_dir, publish_dir, sha256_file, staging_dir
+from genrec.data.logfiles import check_consistent_types, open_log, resolve_paths, row_groups
 from genrec.data.schema import hash_string_ids
 
 FORMAT_VERSION = "genrec.sequences/1"
@@ -77,6 +78,12 @@ _PASS1_BATCH_ROWS = 1 << 17
 _PASS2_COPIES = 6
 _MAX_BUCKETS = 4096
 _RESERVED_MB = 256
+# A row group never holds more than one bucket's users, so larger values all act alike; the
+# bound keeps the value far inside what pyarrow takes (a C long).
+_MAX_ROW_GROUP_USERS = 1 << 31
+# Descriptors besides the spill files (pass 1) or the split writers (pass 2): the
+# interpreter's, the shared libraries', the log being read, the staging folder.
+_SPARE_FILES = 64
 
 
 @dataclass(kw_only=True)
@@ -147,17 +154,13 @@ def prepare(
     is written to `out_dir`; the output appears atomically (temp dir + rename) or not at all.
     `num_buckets` overrides the spill bucket count derived from `memory_budget_mb`.
     """
-    split.validate()
-    _validate_features(features)
-    if memory_budget_mb < 256:
-        raise ValueError(f"memory_budget_mb must be >= 256, got {memory_budget_mb}")
-    if num_shards < 1 or row_group_users < 1:
-        raise ValueError(f"num_shards and row_group_users must be >= 1, got {num_shards}, {row_group_users}")
+    check_settings(features, split, memory_budget_mb=memory_budget_mb, num_shards=num_shards,
+                   row_group_users=row_group_users)
     out_dir = claim_output_dir(out_dir, overwrite=overwrite, manifest=MANIFEST, format=FORMAT_VERSION)
 
-    paths = _resolve_paths(log_paths_or_glob)
-    logs = [_open_log(p, features) for p in paths]
-    _check_consistent_types(logs, features)
+    paths = resolve_paths(log_paths_or_glob)
+    logs = [open_log(p, features) for p in paths]
+    check_consistent_types(logs)
     total_rows = sum(log.num_rows for log in logs)
 
     columns = _spill_columns(features)
@@ -168,8 +171,12 @@ def prepare(
     budget = max(memory_budget_mb - _RESERVED_MB, memory_budget_mb // 4) * (1 << 20)
     if num_buckets is None:
         num_buckets = int(min(_MAX_BUCKETS, max(num_shards, -(-total_rows * bytes_per_row // budget))))
+        _check_open_files(num_buckets, f"data.prepare.memory_budget_mb={memory_budget_mb} ({num_buckets} spill "
+                                       f"buckets for {total_rows:,} events)", "raise the budget")
     elif not 1 <= num_buckets <= _MAX_BUCKETS:
         raise ValueError(f"num_buckets must be in [1, {_MAX_BUCKETS}], got {num_buckets}")
+    else:
+        _check_open_files(num_buckets, f"num_buckets={num_buckets} (one spill file each)", "lower it")
 
     tmp_dir = staging_dir(out_dir)
     try:
@@ -179,6 +186,7 @@ def prepare(
         counts = _pass2_build(
             spill_dir, features, split, rec_dtype, tmp_dir, num_buckets, num_shards, row_group_users, progress
         )
+        _check_not_empty(counts, split)
         shutil.rmtree(spill_dir)
         manifest = {
             "format": FORMAT_VERSION,
@@ -222,17 +230,80 @@ def load_manifest(prepared_dir: str | os.PathLike) -> dict:
     return manifest
 
 
+def prepare_converted(
+    source: str,
+    inputs: list[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    features: FeatureSpec,
+    split: SplitConfig,
+    *,
+    memory_budget_mb: int = 1024,
+    num_shards: int = 4,
+    row_group_users: int = 1024,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """`convert` `inputs` of format `source` into `<out_dir>.logs` (beside `out_dir`), then
+    `prepare` that log into `out_dir`; returns the manifest.
+
+    The settings and `out_dir` are checked before converting. If `prepare` then fails, the
+    `.logs` folder this call made is removed, so that the corrected command is not refused
+    over it; one that held a log before the call is left to its owner.
+    """
+    from genrec.data.convert import convert
+
+    settings = dict(memory_budget_mb=memory_budget_mb, num_shards=num_shards, row_group_users=row_group_users)
+    check_settings(features, split, **settings)
+    out = claim_output_dir(out_dir, overwrite=overwrite, manifest=MANIFEST, format=FORMAT_VERSION)
+    logs = out.with_name(out.name + ".logs")
+    made_logs = not logs.exists() or (logs.is_dir() and not any(logs.iterdir()))
+    convert(source, inputs, logs, overwrite=overwrite, progress=progress)
+    try:
+        return prepare(logs, out, features, split, overwrite=overwrite, progress=progress, **settings)
+    except BaseException:
+        if made_logs:
+            shutil.rmtree(logs, ignore_errors=True)
+        raise
+
+
 # ----------------------------------------------------------------------------------------
-# Input discovery and validation (nothing is written before all of this passes)
+# Settings checks (nothing is read or written before these pass)
 
 
-@dataclass
-class _Log:
-    path: Path
-    num_rows: int
-    num_row_groups: int
-    is_string: dict[str, bool]
-    """Per read column: string ids (hashed) or integers (passed through)."""
+def check_settings(features: FeatureSpec, split: SplitConfig, *, memory_budget_mb: int = 1024,
+                   num_shards: int = 4, row_group_users: int = 1024) -> None:
+    """ValueError naming the setting for anything wrong in `prepare`'s settings that shows
+    without reading a log."""
+    split.validate()
+    _validate_features(features)
+    if memory_budget_mb < 256:
+        raise ValueError(f"data.prepare.memory_budget_mb must be >= 256, got {memory_budget_mb}")
+    if num_shards < 1:
+        raise ValueError(f"data.prepare.num_shards must be >= 1, got {num_shards}")
+    if not 1 <= row_group_users <= _MAX_ROW_GROUP_USERS:
+        raise ValueError(f"data.prepare.row_group_users must be in [1, {_MAX_ROW_GROUP_USERS}], got {row_group_users}")
+    _check_open_files(len(SPLITS) * num_shards, f"data.prepare.num_shards={num_shards} (one output file per "
+                      "split and shard)", "lower it")
+
+
+def _check_open_files(num_files: int, what: str, remedy: str) -> None:
+    # Pass 1 keeps every spill file open, pass 2 every split's writers: running out midway
+    # fails deep inside pyarrow, and with no descriptor left even the cleanup fails.
+    limit, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if limit != resource.RLIM_INFINITY and num_files + _SPARE_FILES > limit:
+        raise ValueError(f"{what} keeps {num_files} files open at once, more than the open-file limit of {limit} "
+                         f"(ulimit -n) allows with {_SPARE_FILES} to spare: {remedy} or raise the limit")
+
+
+def _check_not_empty(counts: dict, split: SplitConfig) -> None:
+    # Evaluation rows need a training history, so an empty train/ means every split is.
+    if counts["rows"]["train"]:
+        return
+    if counts["users_dropped_min_events"] == counts["users"]:
+        raise ValueError(f"data.prepare.split.min_user_events={split.min_user_events} drops all "
+                         f"{counts['users']:,} users: the output would have no rows")
+    raise ValueError(f"data.prepare.split.train_cutoff_ts={split.train_cutoff_ts} is at or before every event "
+                     "of the users kept: the output would have no rows")
 
 
 def _validate_features(features: FeatureSpec) -> None:
@@ -244,83 +315,6 @@ def _validate_features(features: FeatureSpec) -> None:
     for reserved in (USER_COLUMN, TS_COLUMN):
         if reserved in names:
             raise ValueError(f"features: {reserved!r} is reserved for the output's user key / timestamps")
-
-
-def _resolve_paths(spec) -> list[Path]:
-    items = spec if isinstance(spec, (list, tuple)) else [spec]
-    if not items:
-        raise ValueError("no event-log paths given")
-    out: list[Path] = []
-    for item in items:
-        s = str(item)
-        if any(ch in s for ch in "*?["):
-            matched = sorted(globlib.glob(s, recursive=True))
-            if not matched:
-                raise ValueError(f"{s}: glob matches no files")
-            out.extend(Path(m) for m in matched if Path(m).is_file())
-        elif Path(s).is_dir():
-            matched = sorted(Path(s).glob("*.parquet"))
-            if not matched:
-                raise ValueError(f"{s}: directory holds no *.parquet files")
-            out.extend(matched)
-        elif Path(s).is_file():
-            out.append(Path(s))
-        else:
-            raise ValueError(f"{s}: no such file")
-    return sorted({p.resolve() for p in out})  # one file under two spellings is read once
-
-
-def _open_log(path: Path, features: FeatureSpec) -> _Log:
-    try:
-        # Footer only; the file is reopened in pass 1 (thousands of logs must not pin
-        # thousands of descriptors next to the spill files).
-        with pq.ParquetFile(path) as file:
-            schema, metadata = file.schema_arrow, file.metadata
-    except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{path}: not a readable parquet file (corrupt or truncated?): {e}") from None
-    if metadata.num_rows == 0:
-        raise ValueError(f"{path}: empty file (0 rows)")
-    is_string = {}
-    for name, role in _column_roles(features):
-        idx = schema.get_field_index(name)
-        if idx < 0:
-            raise ValueError(f"{path}: missing column {name!r} ({role}); columns are {schema.names}")
-        typ = schema.field(idx).type
-        is_str = pa.types.is_string(typ) or pa.types.is_large_string(typ)
-        if role == "timestamp":
-            ok = pa.types.is_integer(typ)
-            want = "integer unix seconds"
-        elif role == "label":
-            ok = pa.types.is_integer(typ) or pa.types.is_boolean(typ)
-            want = "0/1 integer or bool"
-        else:
-            ok = pa.types.is_integer(typ) or is_str
-            want = "integer or string ids"
-        if not ok:
-            raise ValueError(f"{path}: column {name!r} ({role}) has type {typ}, expected {want}")
-        is_string[name] = is_str
-    return _Log(path=path, num_rows=metadata.num_rows, num_row_groups=metadata.num_row_groups, is_string=is_string)
-
-
-def _column_roles(features: FeatureSpec) -> list[tuple[str, str]]:
-    roles = [(features.user_key, "user key"), (features.timestamp, "timestamp")]
-    roles += [(s, "item" if s == features.item else "sparse feature") for s in features.sparse]
-    roles += [(lab, "label") for lab in features.labels]
-    return roles
-
-
-def _check_consistent_types(logs: list[_Log], features: FeatureSpec) -> None:
-    # An id column that is a string in one file and an integer in another would hash the
-    # same entity to two different ids.
-    first = logs[0]
-    for log in logs[1:]:
-        for name, is_str in log.is_string.items():
-            if is_str != first.is_string[name]:
-                kinds = {True: "string", False: "integer"}
-                raise ValueError(
-                    f"{log.path}: column {name!r} holds {kinds[is_str]} ids but "
-                    f"{first.path} holds {kinds[first.is_string[name]]} ids"
-                )
 
 
 # ----------------------------------------------------------------------------------------
@@ -338,19 +332,6 @@ def _record_dtype(features: FeatureSpec) -> np.dtype:
     return np.dtype(fields)
 
 
-def _row_groups(log: _Log, columns: list[str]):
-    """(row group index, its record batches) of one log; read errors name file and row group."""
-    try:
-        with pq.ParquetFile(log.path) as file:
-            for rg in range(log.num_row_groups):
-                try:
-                    batches = list(file.iter_batches(batch_size=_PASS1_BATCH_ROWS, row_groups=[rg], columns=columns))
-                except (pa.ArrowException, OSError) as e:
-                    raise ValueError(f"{log.path}: row group {rg} unreadable (corrupt or truncated?): {e}") from None
-                yield rg, batches
-    except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{log.path}: not a readable parquet file (changed since validation?): {e}") from None
-
 
 def _bucket_of(users: np.ndarray, num_buckets: int) -> np.ndarray:
     # Fibonacci hashing: sequential user ids spread evenly over the buckets.
@@ -364,7 +345,7 @@ def _pass1_spill(logs, features, columns, rec_dtype, spill_dir, num_buckets, tot
     bar = tqdm(total=total_rows, unit="ev", desc="prepare: spill", file=sys.stderr, disable=not progress)
     try:
         for log in logs:
-            for rg, batches in _row_groups(log, list(dict.fromkeys(columns))):
+            for rg, batches in row_groups(log, list(dict.fromkeys(columns)), _PASS1_BATCH_ROWS):
                 for batch in batches:
                     rec = np.empty(batch.num_rows, dtype=rec_dtype)
                     for name, slot in zip(columns, rec_dtype.names):
@@ -387,6 +368,12 @@ def _pass1_spill(logs, features, columns, rec_dtype, spill_dir, num_buckets, tot
                             # Missing optional ids / labels read as 0 ("absent").
                             arr = pc.fill_null(arr, 0)
                         values = arr.to_numpy(zero_copy_only=False)
+                        low = values.min() if values.size and (slot == "u" or slot.startswith("s")) else 0
+                        if low < 0:
+                            # The sparse store keeps negative ids for itself (hashed string ids
+                            # are never negative): refused here, not at some training batch.
+                            raise ValueError(f"{log.path}: column {name!r} has negative id {low} in row group {rg} "
+                                             "(ids must be >= 0)")
                         if slot.startswith("l"):
                             values = values.astype(np.int64)
                             if values.size and (values.min() < 0 or values.max() > 1):
@@ -480,17 +467,18 @@ def _pass2_build(spill_dir, features, split, rec_dtype, out_dir, num_buckets, nu
         "events": {s: 0 for s in SPLITS},
     }
     writers = {}
-    for s in SPLITS:
-        (out_dir / s).mkdir()
-        for shard in range(num_shards):
-            # No dictionary pages: ids and timestamps are high-cardinality, and plain + zstd
-            # writes ~2x faster and ~1.5x smaller than the dictionary + snappy default.
-            writers[s, shard] = pq.ParquetWriter(out_dir / s / f"part-{shard:05d}.parquet", schema,
-                                                 use_dictionary=False, compression="zstd")
     items = _ItemCounter()
     pool = ThreadPoolExecutor(max_workers=len(SPLITS))
     pending: list[Future] = []
     try:
+        # Opened inside the try: the writers opened before a failing one are closed too.
+        for s in SPLITS:
+            (out_dir / s).mkdir()
+            for shard in range(num_shards):
+                # No dictionary pages: ids and timestamps are high-cardinality, and plain + zstd
+                # writes ~2x faster and ~1.5x smaller than the dictionary + snappy default.
+                writers[s, shard] = pq.ParquetWriter(out_dir / s / f"part-{shard:05d}.parquet", schema,
+                                                     use_dictionary=False, compression="zstd")
         for b in tqdm(range(num_buckets), desc="prepare: sort", file=sys.stderr, disable=not progress):
             path = spill_dir / f"bucket-{b:05d}.bin"
             rec = np.fromfile(path, dtype=rec_dtype)

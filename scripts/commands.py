@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 
 def synth(args: argparse.Namespace) -> int:
@@ -32,27 +31,23 @@ def convert(args: argparse.Namespace) -> int:
 
 def prepare(args: argparse.Namespace) -> int:
     from genrec.data.prepare import prepare as prepare_sequences
+    from genrec.data.prepare import prepare_converted
     from genrec.models.config import JobConfig
     from genrec.models.config_loader import load_config
 
     cfg = load_config(JobConfig, args.config, args.overrides)
-    logs = args.logs
-    if args.source is not None:
-        from genrec.data.convert import convert as convert_dataset
-        from genrec.data.files import claim_output_dir
-        from genrec.data.prepare import FORMAT_VERSION, MANIFEST
-
+    pc = cfg.data.prepare
+    settings = dict(memory_budget_mb=pc.memory_budget_mb, num_shards=pc.num_shards,
+                    row_group_users=pc.row_group_users, overwrite=args.overwrite)
+    if args.source is None:
+        if args.inputs:
+            raise ValueError("--input only applies with --from (--logs are read as they are)")
+        manifest = prepare_sequences(args.logs, args.out, cfg.data.features, pc.split, **settings)
+    else:
         if not args.inputs:
             raise ValueError("--from needs --input FILE [FILE ...]")
-        out = Path(args.out)
-        claim_output_dir(out, overwrite=args.overwrite, manifest=MANIFEST, format=FORMAT_VERSION)  # before converting
-        logs = out.with_name(out.name + ".logs")  # beside it (a trailing slash in --out made it DIR/.logs)
-        convert_dataset(args.source, args.inputs, logs, overwrite=args.overwrite)
-    pc = cfg.data.prepare
-    manifest = prepare_sequences(
-        logs, args.out, cfg.data.features, pc.split, memory_budget_mb=pc.memory_budget_mb,
-        num_shards=pc.num_shards, row_group_users=pc.row_group_users, overwrite=args.overwrite,
-    )
+        # The converted log goes to OUT.logs, beside OUT.
+        manifest = prepare_converted(args.source, args.inputs, args.out, cfg.data.features, pc.split, **settings)
     counts = manifest["counts"]
     print(f"prepared {args.out}: " + ", ".join(f"{k}={v:,}" for k, v in counts.items() if isinstance(v, int)))
     return 0

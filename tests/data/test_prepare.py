@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from genrec.data.config import FeatureSpec
-from genrec.data.prepare import SplitConfig, load_manifest, prepare
+from genrec.data.convert import convert
+from genrec.data.prepare import SplitConfig, load_manifest, prepare, prepare_converted
 from genrec.data.schema import hash_string_id
 
 from seqdata_helpers import AD_FEATURES, random_log, write_log
@@ -208,6 +210,12 @@ def _uint64_with(table: pa.Table, name: str, row: int, value: int) -> pa.Array:
     return pa.array(values, pa.uint64())
 
 
+def _value_at(table: pa.Table, name: str, row: int, value: int) -> pa.Table:
+    values = table.column(name).to_pylist()
+    values[row] = value
+    return _with(table, name, pa.array(values, table.schema.field(name).type))
+
+
 BAD_TABLES = {
     "missing column": (lambda t: t.drop_columns(["advertiser_id"]), "missing column 'advertiser_id'"),
     "ts as string": (lambda t: _with(t, "ts", t.column("ts").cast(pa.string())), "'ts'.*type string"),
@@ -222,6 +230,15 @@ BAD_TABLES = {
                              "'ts'.*value 9223372036854775818 in row group 0"),
     "uint64 item past int64": (lambda t: _with(t, "item_id", _uint64_with(t, "item_id", 150, 1 << 63)),
                                "'item_id'.*in row group 1"),
+    # The sparse store keeps negative ids for itself: training failed on them at some batch.
+    "negative item id": (lambda t: _value_at(t, "item_id", 150, -7),
+                         r"column 'item_id' has negative id -7 in row group 1 \(ids must be >= 0\)"),
+    "negative sparse id": (lambda t: _value_at(t, "advertiser_id", 0, -(1 << 63)),
+                           r"'advertiser_id' has negative id -9223372036854775808 in row group 0"),
+    "negative user id": (lambda t: _value_at(t, "user_id", 199, -1), r"'user_id' has negative id -1 in row group 1"),
+    # A repeated name has no field index: it was reported as a missing column.
+    "repeated column": (lambda t: t.append_column("user_id", t.column("user_id")),
+                        r"column 'user_id' \(user key\) appears 2 times"),
 }
 
 
@@ -271,6 +288,10 @@ def test_input_paths_and_types_across_files(tmp_path):
         prepare(tmp_path / "nothing*.parquet", tmp_path / "out", AD_FEATURES, SplitConfig(), progress=False)
     with pytest.raises(ValueError, match="no such file"):
         prepare(tmp_path / "absent.parquet", tmp_path / "out", AD_FEATURES, SplitConfig(), progress=False)
+    for name in ("a", "b.parquet"):  # a Spark output is a folder named *.parquet
+        (tmp_path / "dirs" / name).mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"dirs/\*: glob matches no files \(only directories\)"):
+        prepare(tmp_path / "dirs" / "*", tmp_path / "out", AD_FEATURES, SplitConfig(), progress=False)
     log = tmp_path / "log"
     write_log(_good(), log)
     mixed = _good()
@@ -314,3 +335,153 @@ def test_min_user_events_drops_and_counts(tmp_path):
     dropped = sum(n < 12 for n in lengths.values())
     assert dropped > 0 and manifest["counts"]["users_dropped_min_events"] == dropped
     assert set(read_split(tmp_path / "out", "train")) == {u for u, n in lengths.items() if n >= 12}
+
+
+@pytest.mark.parametrize(
+    "split, pattern",
+    [
+        (SplitConfig(min_user_events=10**20), r"data.prepare.split.min_user_events=10{20} drops all 20 users"),
+        (SplitConfig(kind="time", train_cutoff_ts=1_000_000), "data.prepare.split.train_cutoff_ts=1000000 is at or before"),
+    ],
+)
+def test_a_split_that_leaves_no_rows_publishes_nothing(tmp_path, split, pattern):
+    write_log(_good(), tmp_path / "log")
+    with pytest.raises(ValueError, match=pattern):
+        prepare(tmp_path / "log", tmp_path / "out", AD_FEATURES, split, progress=False)
+    assert not (tmp_path / "out").exists() and no_leftovers(tmp_path)
+
+
+@pytest.fixture
+def open_file_limit_1024():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize(
+    "settings, pattern",
+    [
+        (dict(num_shards=400), r"data.prepare.num_shards=400 .* keeps 1200 files open at once.* limit of 1024"),
+        (dict(num_buckets=4000), r"num_buckets=4000 .* keeps 4000 files open at once"),
+        (dict(row_group_users=10**20), r"data.prepare.row_group_users must be in \[1, 2147483648\]"),
+        (dict(row_group_users=0), r"data.prepare.row_group_users must be in"),
+        (dict(num_shards=0), r"data.prepare.num_shards must be >= 1"),
+        (dict(memory_budget_mb=100), r"data.prepare.memory_budget_mb must be >= 256"),
+    ],
+)
+def test_bad_settings_name_the_key_before_any_work(tmp_path, open_file_limit_1024, settings, pattern):
+    """Too many shards ran out of descriptors midway (a traceback, and a staging folder the
+    cleanup could not remove); a huge row_group_users overflowed inside pyarrow."""
+    write_log(_good(), tmp_path / "log")
+    with pytest.raises(ValueError, match=pattern):
+        prepare(tmp_path / "log", tmp_path / "out", AD_FEATURES, SplitConfig(), progress=False, **settings)
+    assert not (tmp_path / "out").exists() and no_leftovers(tmp_path)
+
+
+def test_writers_opened_before_a_failing_one_are_closed(tmp_path, monkeypatch):
+    opened, closed = [], []
+    real = pq.ParquetWriter
+
+    class Writer(real):
+        def __init__(self, *args, **kwargs):
+            if len(opened) == 4:
+                raise OSError(24, "Too many open files")
+            super().__init__(*args, **kwargs)
+            opened.append(self)
+
+        def close(self):
+            closed.append(self)
+            super().close()
+
+    monkeypatch.setattr(pq, "ParquetWriter", Writer)
+    write_log(_good(), tmp_path / "log")
+    with pytest.raises(OSError, match="Too many open files"):
+        prepare(tmp_path / "log", tmp_path / "out", AD_FEATURES, SplitConfig(), num_shards=2, progress=False)
+    assert len(opened) == 4 and set(map(id, closed)) == set(map(id, opened))
+    assert not (tmp_path / "out").exists() and no_leftovers(tmp_path)
+
+
+ML_TEXT = "1\t10\t5\t100\n1\t11\t3\t200\n1\t12\t4\t300\n2\t10\t5\t100\n2\t13\t1\t150\n2\t14\t2\t160\n"
+ML_FEATURES = FeatureSpec(sparse=["item_id", "action"], labels=[])
+
+
+@pytest.mark.parametrize(
+    "features, split, pattern, converted",
+    [
+        # Caught only by prepare, after the conversion: the log it made goes too.
+        (FeatureSpec(), SplitConfig(), "missing column 'advertiser_id'", True),
+        (ML_FEATURES, SplitConfig(min_user_events=10), "min_user_events=10 drops all 2 users", True),
+        # Settings are checked before anything is converted.
+        (ML_FEATURES, SplitConfig(kind="time"), "needs split.train_cutoff_ts", False),
+        (FeatureSpec(sparse=["action"]), SplitConfig(), "features.item 'item_id' must be one of", False),
+    ],
+)
+def test_a_failed_prepare_from_leaves_no_converted_log(tmp_path, features, split, pattern, converted, monkeypatch):
+    """The `.logs` folder a failed run left behind made the corrected command fail too."""
+    import genrec.data.convert
+
+    calls, real = [], genrec.data.convert.convert
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(genrec.data.convert, "convert", counted)
+    raw = tmp_path / "u.data"
+    raw.write_text(ML_TEXT)
+    with pytest.raises(ValueError, match=pattern):
+        prepare_converted("movielens", [raw], tmp_path / "ml", features, split, progress=False)
+    assert len(calls) == converted
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["u.data"]
+    manifest = prepare_converted("movielens", [raw], tmp_path / "ml", ML_FEATURES, SplitConfig(), progress=False)
+    assert manifest["counts"]["users"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ml", "ml.logs", "u.data"]
+
+
+def test_a_failed_prepare_from_keeps_a_log_it_did_not_make(tmp_path):
+    raw = tmp_path / "u.data"
+    raw.write_text(ML_TEXT)
+    convert("movielens", [raw], tmp_path / "ml.logs", progress=False)
+    with pytest.raises(ValueError, match="missing column 'advertiser_id'"):
+        prepare_converted("movielens", [raw], tmp_path / "ml", FeatureSpec(), SplitConfig(), overwrite=True,
+                          progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ml.logs", "u.data"]
+    assert (tmp_path / "ml.logs" / "convert_manifest.json").is_file()
+
+
+@pytest.mark.parametrize("from_source", [False, True])
+def test_out_dot_is_the_current_folder(tmp_path, monkeypatch, from_source):
+    """`--out .` put the staging folder inside the output (refused as a stranger's), could
+    not rename `.` aside with --overwrite, and gave `.logs` an empty name."""
+    raw = tmp_path / "u.data"
+    raw.write_text(ML_TEXT)
+    log = tmp_path / "log"
+    convert("movielens", [raw], log, progress=False)
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for overwrite in (False, True):
+        if from_source:
+            prepare_converted("movielens", [raw], ".", ML_FEATURES, SplitConfig(), overwrite=overwrite,
+                              progress=False)
+        else:
+            prepare(log, ".", ML_FEATURES, SplitConfig(), overwrite=overwrite, progress=False)
+        assert load_manifest(here)["counts"]["users"] == 2
+        os.chdir(here)  # the folder the process stood in was replaced
+    names = ["here", "log", "u.data"] + (["here.logs"] if from_source else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+
+
+def test_input_without_from_is_refused(tmp_path):
+    from genrec.scripts import commands
+    from genrec.scripts.cli import build_parser
+
+    write_log(_good(), tmp_path / "log")
+    raw = tmp_path / "u.data"
+    raw.write_text(ML_TEXT)
+    args = build_parser().parse_args(["prepare", "--logs", str(tmp_path / "log"), "--input", str(raw),
+                                      "--out", str(tmp_path / "out")])
+    with pytest.raises(ValueError, match="--input only applies with --from"):
+        commands.prepare(args)
+    assert not (tmp_path / "out").exists()

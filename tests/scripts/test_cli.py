@@ -78,5 +78,11 @@ def test_user_errors_exit_nonzero_naming_what_is_wrong(tmp_path):
     result = genrec("train", "--config", str(ROOT / "configs" / "demo.toml"), "--set", "train.max_stepz=3")
     assert result.returncode == 1 and "train.max_stepz" in result.stderr
 
+    in_the_way = tmp_path / "a-file"  # an output path through a file: the system's error, one line
+    in_the_way.write_text("mine")
+    result = genrec("synth", "--out", str(in_the_way / "logs"), "--users", "10", "--items", "10", "--events", "50")
+    assert result.returncode == 1 and str(in_the_way) in result.stderr and "Traceback" not in result.stderr
+    assert in_the_way.read_text() == "mine"
+
     result = genrec("train", "--config", str(ROOT / "configs" / "demo.toml"), "--set", "dense.num_layers=\"two\"")
     assert result.returncode == 1 and "dense.num_layers" in result.stderr

@@ -208,7 +208,7 @@ def test_a_report_never_replaces_files_it_did_not_write(report, tmp_path, foreig
     write_report(out, report, plots=False)
     (out / foreign).parent.mkdir(exist_ok=True)
     (out / foreign).write_text("mine")
-    with pytest.raises(ValueError, match=foreign):
+    with pytest.raises(ValueError, match=foreign.split("/")[0]):  # a folder of theirs is named whole
         write_report(out, report, plots=False)
     assert (out / foreign).read_text() == "mine"
     other = tmp_path / "other"
