@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from genrec.data.files import atomic_write_json, sha256_file
-from genrec.models.build import build_model, load_item_corpus, unwrap
+from genrec.models.build import build_model, config_fingerprint, load_item_corpus, unwrap
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import from_dict
 from genrec.models.model import GenerativeRecommender
@@ -55,7 +56,8 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class CorruptCheckpoint(ValueError):
-    """A checkpoint file is missing, truncated or fails its checksum (not a config mismatch)."""
+    """A checkpoint file is missing, truncated or fails its checksum, or its marker is missing
+    or malformed (not a config mismatch)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -76,16 +78,55 @@ def sparse_snapshot_dir(checkpoint: str | Path) -> Path:
     return shared_dir(checkpoint) / "sparse"
 
 
-def read_marker(path: str | Path) -> dict[str, Any] | None:
-    """The parsed COMPLETE marker of a step dir, or None if absent or unreadable."""
+def check_marker(path: str | Path) -> dict[str, Any]:
+    """The parsed COMPLETE marker of step dir `path`, with every field a reader uses present
+    and of its type (as `CheckpointManager` writes it: dense.pt and each rank's state listed);
+    CorruptCheckpoint naming the marker and what is wrong with it."""
+    path = Path(path)
+    file = path / MARKER
     try:
-        marker = json.loads((Path(path) / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    m = _STEP_DIR.match(Path(path).name)
-    if not isinstance(marker, dict) or m is None or marker.get("step") != int(m.group(1)):
-        return None
+        marker = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{path} is not a complete checkpoint (no {MARKER} marker)") from None
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"{file} is not a readable checkpoint marker ({e})") from None
+    m = _STEP_DIR.match(path.name)
+    if m is None:
+        raise CorruptCheckpoint(f"{path} is not a checkpoint (a step-N directory)")
+    if not isinstance(marker, dict):
+        raise CorruptCheckpoint(f"{file} is not a JSON object")
+
+    def field(container: dict, key: str, kind: type, name: str | None = None) -> Any:
+        value = container.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CorruptCheckpoint(f"{file}: field {name or repr(key)} is missing or of the wrong type")
+        return value
+
+    if field(marker, "step", int) != int(m.group(1)):
+        raise CorruptCheckpoint(f"{file}: field 'step' is {marker['step']}, not the step of {path.name}")
+    world_size = field(marker, "world_size", int)
+    if world_size < 1:
+        raise CorruptCheckpoint(f"{file}: field 'world_size' is {world_size}")
+    field(marker, "config_fingerprint", dict)
+    files = field(marker, "files", dict)
+    for rel, meta in files.items():
+        if not isinstance(meta, dict):
+            raise CorruptCheckpoint(f"{file}: the entry of {rel!r} is not a JSON object")
+        field(meta, "bytes", int, f"files[{rel!r}]['bytes']")
+        field(meta, "sha256", str, f"files[{rel!r}]['sha256']")
+    for rel in [DENSE_FILE] + [f"{rank_dir_name(r, world_size)}/{RANK_STATE_FILE}" for r in range(world_size)]:
+        if rel not in files:
+            raise CorruptCheckpoint(f"{file} lists no {rel}")
     return marker
+
+
+def read_marker(path: str | Path) -> dict[str, Any] | None:
+    """The checked COMPLETE marker of a step dir (`check_marker`), or None if it has none
+    that checks out."""
+    try:
+        return check_marker(path)
+    except CorruptCheckpoint:
+        return None
 
 
 def verify_file(f: Path, meta: dict[str, Any], *, checksum: bool = True) -> None:
@@ -104,15 +145,28 @@ def verify_shared(path: Path, marker: dict[str, Any], *, checksum: bool) -> None
             verify_file(path / rel, meta, checksum=checksum)
 
 
+def scan_checkpoints(root: str | Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
+    """The step dirs under `root`: (step, dir) of each with a valid marker, oldest first,
+    and (dir, why) of each without one. A save never publishes a step dir before its marker,
+    so one without is damaged, not in progress (a save in progress is a `.tmp-*` dir)."""
+    root = Path(root)
+    complete, damaged = [], []
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
+        m = _STEP_DIR.match(p.name)
+        if not (m and p.is_dir()):
+            continue
+        try:
+            check_marker(p)
+        except CorruptCheckpoint as e:
+            damaged.append((p, str(e)))
+            continue
+        complete.append((int(m.group(1)), p))
+    return sorted(complete), damaged
+
+
 def complete_steps(root: str | Path) -> list[tuple[int, Path]]:
     """(step, dir) of every checkpoint under `root` with a valid marker, oldest first."""
-    root = Path(root)
-    found = []
-    for p in root.iterdir() if root.is_dir() else []:
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir() and read_marker(p) is not None:
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+    return scan_checkpoints(root)[0]
 
 
 def latest_checkpoint(root: str | Path, *, required: bool = False) -> Path | None:
@@ -129,6 +183,22 @@ def latest_checkpoint(root: str | Path, *, required: bool = False) -> Path | Non
             f"(a step-N dir with a valid {MARKER} marker); found: {others or 'nothing'}"
         )
     return None
+
+
+def check_fingerprint(saved: dict[str, object], now: dict[str, object], path: Path) -> None:
+    """ValueError naming every key whose value differs between checkpoint `path`'s marker
+    (`saved`) and the current config's fingerprint (`now`, `models.build.config_fingerprint`)."""
+    now = json.loads(json.dumps(now, sort_keys=True))  # a tuple equals the list the marker holds
+    diffs = []
+    for key in sorted(saved.keys() | now.keys()):
+        if key not in now:
+            diffs.append(f"{key}: checkpoint {saved[key]!r}, missing in the current config")
+        elif key not in saved:
+            diffs.append(f"{key}: not in the checkpoint, now {now[key]!r}")
+        elif saved[key] != now[key]:
+            diffs.append(f"{key}: checkpoint {saved[key]!r}, now {now[key]!r}")
+    if diffs:
+        raise ValueError(f"checkpoint {path} does not match the current config: " + "; ".join(diffs))
 
 
 def read_best(run_dir: str | Path) -> dict[str, Any] | None:
@@ -157,8 +227,9 @@ def write_best(run_dir: str | Path, best: dict[str, Any]) -> None:
 
 def resolve_checkpoint(path: str | Path, *, which: str = "best") -> tuple[Path, Path]:
     """(checkpoint step dir, run dir) for a run dir or a step dir. For a run dir, `which`
-    picks its best-validation checkpoint ("best", falling back to the latest when the run
-    has none) or its newest ("latest")."""
+    picks its best-validation checkpoint ("best", falling back to the latest, with a warning
+    when best.json names one that is gone) or its newest ("latest"); step dirs without a
+    valid marker are skipped with a warning naming them."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
@@ -166,28 +237,45 @@ def resolve_checkpoint(path: str | Path, *, which: str = "best") -> tuple[Path, 
         raise ValueError(f"which checkpoint: 'best' or 'latest', got {which!r}")
     if (path / CONFIG_FILE).is_file():
         best = read_best(path) if which == "best" else None
+        complete, damaged = scan_checkpoints(path / CHECKPOINTS)
+        for step_dir, why in damaged:
+            _warn(f"skipping checkpoint {step_dir}: {why}")
+        if not complete:
+            raise FileNotFoundError(f"run {path} holds no complete checkpoint to load (a step-N dir with a valid "
+                                    f"{MARKER} marker in {path / CHECKPOINTS})")
+        latest = complete[-1][1]
         if best is not None:
             step_dir = path / CHECKPOINTS / step_dir_name(best["step"])
-            if read_marker(step_dir) is not None:
+            if step_dir in (d for _, d in complete):
                 return step_dir, path
-        return latest_checkpoint(path / CHECKPOINTS, required=True), path
+            _warn(f"{path / BEST_FILE} names {step_dir.name}, which is not a complete checkpoint; using the "
+                  f"latest, {latest.name}")
+        return latest, path
     run_dir = path.parent.parent
-    if read_marker(path) is None or not (run_dir / CONFIG_FILE).is_file():
-        raise ValueError(f"{path} is neither a run directory (with {CONFIG_FILE}) nor a complete checkpoint in one")
+    if not _STEP_DIR.match(path.name) or not (run_dir / CONFIG_FILE).is_file():
+        raise ValueError(f"{path} is neither a run directory (with {CONFIG_FILE}) nor a checkpoint in one")
+    check_marker(path)
     return path, run_dir
+
+
+def _warn(message: str) -> None:
+    print(f"genrec: warning: {message}", file=sys.stderr, flush=True)
 
 
 def load_trained(path: str | Path, *, overrides: dict | None = None) -> tuple[JobConfig, GenerativeRecommender]:
     """The run's config and its model with the checkpoint's weights and rows, in eval mode."""
     step_dir, run_dir = resolve_checkpoint(path)
+    marker = check_marker(step_dir)
     raw = json.loads((run_dir / CONFIG_FILE).read_text())
     for section, values in (overrides or {}).items():
         raw.setdefault(section, {}).update(values)
     cfg = from_dict(JobConfig, raw)
+    # The model is built from the run's config.json: a step saved under other shapes (copied
+    # in from another run) is named here, key by key, before it fails inside load_state_dict.
+    check_fingerprint(marker["config_fingerprint"], config_fingerprint(cfg), step_dir)
     cfg.sparse.ssd_dir = None  # a private temporary SSD tier, never the training run's
     model, store = build_model(cfg, single_process())
     model = unwrap(model)
-    marker = read_marker(step_dir)
     dense_file = step_dir / DENSE_FILE
     verify_file(dense_file, marker["files"][DENSE_FILE])
     verify_shared(step_dir, marker, checksum=True)  # one process reads every shard anyway

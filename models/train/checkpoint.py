@@ -59,8 +59,8 @@ import torch.distributed as dist
 
 from genrec.data.files import fsync_path, sha256_file
 from genrec.models.runs import (
-    DENSE_FILE, FORMAT_VERSION, MARKER, RANK_STATE_FILE, TMP_PREFIX, complete_steps, latest_checkpoint,
-    rank_dir_name, read_marker, shared_dir, step_dir_name, verify_file, verify_shared,
+    DENSE_FILE, FORMAT_VERSION, MARKER, RANK_STATE_FILE, TMP_PREFIX, check_fingerprint, check_marker,
+    complete_steps, latest_checkpoint, rank_dir_name, shared_dir, step_dir_name, verify_file, verify_shared,
 )
 
 
@@ -350,41 +350,25 @@ class CheckpointManager:
         position and (one seed everywhere) RNG streams; the dense state is replicated, and
         the shared files' owners (the sparse snapshot) reshard themselves.
 
-        Raises ValueError when the marker is missing, a fingerprint key differs, or a file
-        it reads (dense.pt, the rank's state) is missing or fails its checksum. Files of
-        `extra_dir(path)` are verified too; the caller reads them itself.
+        Raises ValueError when a fingerprint key differs, and CorruptCheckpoint when the
+        marker is missing or malformed or a file it reads (dense.pt, the rank's state) is
+        missing or fails its checksum. Files of `extra_dir(path)` are verified too; the
+        caller reads them itself.
         """
         path = Path(path)
-        marker = read_marker(path)
-        if marker is None:
-            raise ValueError(f"{path} is not a complete checkpoint (no valid {MARKER} marker)")
-        _check_fingerprint(marker["config_fingerprint"], _plain_json(config_fingerprint), path)
+        marker = check_marker(path)
+        check_fingerprint(marker["config_fingerprint"], config_fingerprint, path)
 
-        saved_world = int(marker["world_size"])
+        saved_world = marker["world_size"]
         rank = self.rank if saved_world == self.world_size else 0
         prefix = rank_dir_name(rank, saved_world) + "/"
         mine = {k: v for k, v in marker["files"].items() if k == DENSE_FILE or k.startswith(prefix)}
-        if DENSE_FILE not in mine or prefix + RANK_STATE_FILE not in mine:
-            raise ValueError(f"{path / MARKER} lists no {DENSE_FILE} or {prefix}{RANK_STATE_FILE}")
         for rel, meta in sorted(mine.items()):
             verify_file(path / rel, meta)
         verify_shared(path, marker, checksum=False)  # read and CRC-checked by their owner, under any world size
         dense = torch.load(path / DENSE_FILE, map_location="cpu", weights_only=True)
         rank_state = torch.load(path / prefix / RANK_STATE_FILE, map_location="cpu", weights_only=True)
         return dense, rank_state
-
-
-def _check_fingerprint(saved: dict[str, object], now: dict[str, object], path: Path) -> None:
-    diffs = []
-    for key in sorted(saved.keys() | now.keys()):
-        if key not in now:
-            diffs.append(f"{key}: checkpoint {saved[key]!r}, missing in the current config")
-        elif key not in saved:
-            diffs.append(f"{key}: not in the checkpoint, now {now[key]!r}")
-        elif saved[key] != now[key]:
-            diffs.append(f"{key}: checkpoint {saved[key]!r}, now {now[key]!r}")
-    if diffs:
-        raise ValueError(f"checkpoint {path} does not match the current config: " + "; ".join(diffs))
 
 
 # ---- RNG ---------------------------------------------------------------------------------

@@ -33,7 +33,10 @@ import torch
 from genrec.data.files import claim_output_dir, holds_output
 from genrec.models.config import JobConfig, OptimConfig
 from genrec.models.config_loader import from_dict, to_dict
-from genrec.models.runs import BEST_FILE, CHECKPOINTS, CONFIG_FILE, RUN_FORMAT, RUN_MANIFEST
+from genrec.models.runs import (
+    BEST_FILE, CHECKPOINTS, CONFIG_FILE, RUN_FORMAT, RUN_MANIFEST, CorruptCheckpoint, latest_checkpoint,
+    scan_checkpoints,
+)
 
 APPLIED = (
     "train.max_steps", "train.num_epochs", "train.eval_every", "train.eval_every_epochs", "train.eval_max_users",
@@ -115,19 +118,44 @@ def _show(value: Any) -> str:
     return "unset" if value is None else json.dumps(value)
 
 
-def read_saved_config(run_dir: Path) -> dict | None:
+def read_saved_config(run_dir: Path) -> dict:
     """The run's config.json with defaults filled in as this version has them (so a key it
-    does not record reads as its default, not as a change), or None if there is none."""
+    does not record reads as its default, not as a change). ValueError naming the file when
+    it is missing or unreadable: the checkpoints' fingerprints cover only shapes, so without
+    it a resume would accept a new seed, data order or optimizer settings unchecked."""
+    path = run_dir / CONFIG_FILE
     try:
-        saved = json.loads((run_dir / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(saved, dict):
-        return None
+        saved = json.loads(path.read_text())
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{run_dir} holds checkpoints but {path} is missing or unreadable ({e}), so a resume "
+                         f"cannot check which settings changed: put it back, or train with --fresh to start over "
+                         f"in {run_dir}") from None
     try:
         return to_dict(from_dict(JobConfig, saved))
     except ValueError:  # written by another genrec version: compare what it says
         return saved
+
+
+def check_resume(run_dir: Path, now: dict, *,
+                 required: bool) -> tuple[list[tuple[str, Any, Any]], list[tuple[Path, str]]]:
+    """Check training into `run_dir` without --fresh, before anything is written there: the
+    config changes the resume applies (`check_resume_changes`) and the step dirs it skips for
+    want of a valid marker, as (dir, why). Refused: step dirs none of which is a complete
+    checkpoint (a run from step 0 would write over them), and `required` (--resume) with no
+    checkpoint (FileNotFoundError)."""
+    root = run_dir / CHECKPOINTS
+    complete, damaged = scan_checkpoints(root)
+    if not complete and damaged:
+        listed = "; ".join(why for _, why in damaged)
+        raise CorruptCheckpoint(f"{root} holds step dirs but no complete checkpoint to resume from ({listed}): "
+                                f"training would start over at step 0 and write over them. Train with --fresh to "
+                                f"start over in {run_dir}, or choose another train.out_dir")
+    if not complete:
+        latest_checkpoint(root, required=required)
+        return [], []
+    return check_resume_changes(run_dir, read_saved_config(run_dir), now), damaged
 
 
 def apply_optim_settings(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimConfig) -> None:

@@ -39,15 +39,14 @@ from genrec.models.build import (
     load_dense_state_dict, load_item_corpus, load_optimizer_state_dict, optimizer_state_dict,
 )
 from genrec.models.runs import (
-    CHECKPOINTS, CONFIG_FILE, RUN_FORMAT, RUN_MANIFEST, CorruptCheckpoint, complete_steps, read_best,
-    sparse_snapshot_dir, step_dir_name, write_best,
+    CHECKPOINTS, CONFIG_FILE, RUN_FORMAT, RUN_MANIFEST, CorruptCheckpoint, read_best, sparse_snapshot_dir,
+    step_dir_name, write_best,
 )
 from genrec.models.train.checkpoint import (
     CheckpointManager, capture_rng_state, fault_point, install_stop_signals, restore_rng_state,
 )
 from genrec.models.train.resume import (
-    apply_optim_settings, check_resume_changes, check_run_dir, describe_changes, read_saved_config, saved_form,
-    start_fresh,
+    apply_optim_settings, check_resume, check_run_dir, describe_changes, saved_form, start_fresh,
 )
 from genrec.models.config import JobConfig
 from genrec.models.ranks import DistInfo, all_reduce_sum, any_rank
@@ -139,7 +138,8 @@ class Trainer:
                       f"warming up over all {tc.max_steps} steps instead", file=sys.stderr, flush=True)
             tc.optim = dataclasses.replace(tc.optim, warmup_steps=tc.max_steps)
         self.out_dir = Path(tc.out_dir)
-        self._claim_run_dir(fresh=fresh)
+        corpus = load_item_corpus(cfg.data.path)  # a wrong data.path is refused before the run dir is touched
+        self._claim_run_dir(fresh=fresh, resume=resume)
         self._bind_cores()
         self.num_threads = tc.num_threads or default_threads()
         torch.set_num_threads(self.num_threads)
@@ -153,7 +153,7 @@ class Trainer:
         self.shared_clock = dist_info.world_size > 1 and any(t.ttl_seconds for t in cfg.sparse.tables)
         mode = cfg.sparse.read_ahead
         self.read_ahead = tc.pipeline and (mode == "on" or (mode == "auto" and dist_info.world_size == 1))
-        self.model.set_item_corpus(*load_item_corpus(cfg.data.path))
+        self.model.set_item_corpus(*corpus)
         self.optimizer = build_dense_optimizer(dense_named_parameters(self.model), tc.optim)
         self.scheduler = warmup_cosine(
             self.optimizer, warmup_steps=tc.optim.warmup_steps, total_steps=tc.max_steps,
@@ -177,15 +177,15 @@ class Trainer:
         self.saved_step: int | None = None
         self.stopped_by: str | None = None
         """The signal that stopped training early (None: it ran to the end)."""
-        self.checkpoints.latest(required=resume)  # resume demanded: a checkpoint must exist
         self._restore_newest_intact()
         if dist_info.is_main:  # only settings in effect: a resume refused every other change
             atomic_write_text(self.out_dir / CONFIG_FILE, json.dumps(saved_form(cfg), indent=2))
 
-    def _claim_run_dir(self, *, fresh: bool) -> None:
+    def _claim_run_dir(self, *, fresh: bool, resume: bool) -> None:
         """`fresh`: clear a previous training run here (rank 0; a restarted torchrun worker
         resumes instead of clearing again). Otherwise, if there are checkpoints to resume
-        from, refuse what a resume cannot change and print the changes it applies."""
+        from, refuse what a resume cannot change and print the changes it applies; `resume`:
+        refuse when there are none. Nothing is written before these checks pass."""
         main = self.dist.is_main
         if fresh and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             if main:
@@ -198,14 +198,16 @@ class Trainer:
                 start_fresh(self.out_dir)
             elif main:
                 check_run_dir(self.out_dir)
-            if not fresh and complete_steps(self.out_dir / CHECKPOINTS):
-                saved = read_saved_config(self.out_dir)
-                changes = check_resume_changes(self.out_dir, saved, saved_form(self.cfg)) if saved else []
+            if not fresh:
+                changes, damaged = check_resume(self.out_dir, saved_form(self.cfg), required=resume)
+                for path, why in damaged:
+                    if main:
+                        print(f"genrec train: warning: skipping checkpoint {path}: {why}", file=sys.stderr, flush=True)
                 if changes and main:
                     print(f"genrec train: {describe_changes(self.out_dir, changes)}", file=sys.stderr, flush=True)
             if main:
                 atomic_write_json(self.out_dir / RUN_MANIFEST, {"format": RUN_FORMAT})
-        except ValueError as e:
+        except (ValueError, FileNotFoundError) as e:
             problem = e
         # Collective: no rank looks into the folder before rank 0 has cleared it, and all stop together.
         if any_rank(problem is not None):

@@ -71,7 +71,7 @@ def test_eval_reports_the_best_checkpoint_by_default(prepared, tmp_path, capsys)
     assert f"best-validation checkpoint {best['checkpoint']}" in capsys.readouterr().err
     saved = json.loads((tmp_path / "report" / "report.json").read_text())
     assert saved["config"]["run"]["checkpoint"] == {"step_dir": best["checkpoint"], "chosen": "best-validation",
-                                             "best": best}
+                                             "best": best, "trained_on": str(prepared)}
 
 
 def test_early_stopping_after_patience(prepared, tmp_path):
