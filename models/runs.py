@@ -120,15 +120,6 @@ def check_marker(path: str | Path) -> dict[str, Any]:
     return marker
 
 
-def read_marker(path: str | Path) -> dict[str, Any] | None:
-    """The checked COMPLETE marker of a step dir (`check_marker`), or None if it has none
-    that checks out."""
-    try:
-        return check_marker(path)
-    except CorruptCheckpoint:
-        return None
-
-
 def verify_file(f: Path, meta: dict[str, Any], *, checksum: bool = True) -> None:
     """Refuse a checkpoint file that is missing or differs from its marker entry (size
     always; sha256 unless `checksum=False`)."""
@@ -185,10 +176,15 @@ def latest_checkpoint(root: str | Path, *, required: bool = False) -> Path | Non
     return None
 
 
+def plain_json(d: dict[str, object]) -> dict[str, object]:
+    """`d` as it reads back from JSON: a tuple compares equal to the list a marker holds."""
+    return json.loads(json.dumps(d, sort_keys=True))
+
+
 def check_fingerprint(saved: dict[str, object], now: dict[str, object], path: Path) -> None:
     """ValueError naming every key whose value differs between checkpoint `path`'s marker
     (`saved`) and the current config's fingerprint (`now`, `models.build.config_fingerprint`)."""
-    now = json.loads(json.dumps(now, sort_keys=True))  # a tuple equals the list the marker holds
+    now = plain_json(now)
     diffs = []
     for key in sorted(saved.keys() | now.keys()):
         if key not in now:

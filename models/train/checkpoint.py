@@ -60,7 +60,8 @@ import torch.distributed as dist
 from genrec.data.files import fsync_path, sha256_file
 from genrec.models.runs import (
     DENSE_FILE, FORMAT_VERSION, MARKER, RANK_STATE_FILE, TMP_PREFIX, check_fingerprint, check_marker,
-    complete_steps, latest_checkpoint, rank_dir_name, shared_dir, step_dir_name, verify_file, verify_shared,
+    complete_steps, latest_checkpoint, plain_json, rank_dir_name, shared_dir, step_dir_name, verify_file,
+    verify_shared,
 )
 
 
@@ -102,11 +103,6 @@ def _check_weights_only(obj: Any, where: str) -> None:
             f"{where} is a {type(obj).__name__}; checkpoints hold only tensors, numbers, "
             "strings, None, lists, tuples and dicts (they load with weights_only=True)"
         )
-
-
-def _plain_json(d: dict[str, object]) -> dict[str, object]:
-    # Round-trip so a tuple compares equal to the list it becomes in the marker.
-    return json.loads(json.dumps(d, sort_keys=True))
 
 
 FAULT_ENV = "GENREC_FAULT_AT"
@@ -212,7 +208,7 @@ class CheckpointManager:
                 raise ValueError("rank 0 must pass dense_state to CheckpointManager.save")
             _check_weights_only(dense_state, "dense_state")
         _check_weights_only(rank_state, "rank_state")
-        fingerprint = _plain_json(config_fingerprint)
+        fingerprint = plain_json(config_fingerprint)
 
         tmp = self._make_tmp_dir(step)
         final = self.step_dir(step)

@@ -10,7 +10,7 @@ import torch
 
 from genrec.data.prepare import load_manifest
 from genrec.models.config_loader import to_dict
-from genrec.models.runs import BEST_FILE, read_marker, resolve_checkpoint
+from genrec.models.runs import BEST_FILE, check_marker, resolve_checkpoint
 from train_helpers import tiny_config
 
 
@@ -49,7 +49,8 @@ def test_best_checkpoint_is_kept_and_chosen(prepared, tmp_path):
     best = json.loads((run / BEST_FILE).read_text())
     assert (best["step"], best["value"], best["metric"]) == (best_step, best_value, "valid/ndcg@10")
     step_dir, _ = resolve_checkpoint(run)
-    assert step_dir.name == best["checkpoint"] and read_marker(step_dir) is not None
+    assert step_dir.name == best["checkpoint"]
+    check_marker(step_dir)  # a complete checkpoint: raises otherwise
     latest, _ = resolve_checkpoint(run, which="latest")
     assert latest.name == "step-00000008"
     kept = sorted(p.name for p in (run / "checkpoints").iterdir())
