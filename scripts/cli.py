@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_command(args: argparse.Namespace) -> int:
     from genrec.scripts import commands
 
-    return getattr(commands, args.command)(args) or 0
+    return commands.run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
