@@ -164,6 +164,8 @@ class Trainer:
             Path(cfg.data.path) / "train", cfg.data.features, cfg.data.loader,
             rank=dist_info.rank, world_size=dist_info.world_size,
         )
+        if dist_info.is_main:  # marked a run once it could be built: a refused start writes nothing
+            atomic_write_json(self.out_dir / RUN_MANIFEST, {"format": RUN_FORMAT})
         self.checkpoints = CheckpointManager(
             self.out_dir / CHECKPOINTS, keep_last=tc.keep_checkpoints,
             rank=dist_info.rank, world_size=dist_info.world_size,
@@ -185,7 +187,7 @@ class Trainer:
         """`fresh`: clear a previous training run here (rank 0; a restarted torchrun worker
         resumes instead of clearing again). Otherwise, if there are checkpoints to resume
         from, refuse what a resume cannot change and print the changes it applies; `resume`:
-        refuse when there are none. Nothing is written before these checks pass."""
+        refuse when there are none. Nothing is written here but what `fresh` clears."""
         main = self.dist.is_main
         if fresh and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             if main:
@@ -205,8 +207,6 @@ class Trainer:
                         print(f"genrec train: warning: skipping checkpoint {path}: {why}", file=sys.stderr, flush=True)
                 if changes and main:
                     print(f"genrec train: {describe_changes(self.out_dir, changes)}", file=sys.stderr, flush=True)
-            if main:
-                atomic_write_json(self.out_dir / RUN_MANIFEST, {"format": RUN_FORMAT})
         except (ValueError, FileNotFoundError) as e:
             problem = e
         # Collective: no rank looks into the folder before rank 0 has cleared it, and all stop together.

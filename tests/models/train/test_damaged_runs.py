@@ -125,6 +125,11 @@ def test_a_refused_start_writes_nothing(prepared, finished, tmp_path):
     with pytest.raises(ValueError, match="nodata"):
         run_training(tiny_config(tmp_path / "nodata", tmp_path / "new"))
     assert not (tmp_path / "new").exists()
+    bad_model = tiny_config(prepared, tmp_path / "new")
+    bad_model.model.ranking_tasks = ["click", "dwell"]  # passes the config's checks, refused by the model
+    with pytest.raises(ValueError, match="dwell"):
+        run_training(bad_model)
+    assert not (tmp_path / "new").exists()  # was left holding run.json
     run = _copy(finished, tmp_path)
     before = _files(run)
     with pytest.raises(ValueError, match="nodata"):
