@@ -19,10 +19,14 @@ did not write.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
+import sys
 import tempfile
 import uuid
 from pathlib import Path, PurePosixPath
@@ -154,10 +158,56 @@ def _unlisted_entries(out: Path, manifest: str) -> list[str]:
     return sorted(unlisted)
 
 
+def _host() -> str:
+    return socket.gethostname().replace("/", "_")
+
+
+def _writer_tag() -> str:
+    """This host and process, in the names of the hidden folders beside an output."""
+    return f"{_host()}-{os.getpid()}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_abandoned(out: Path) -> list[Path]:
+    """Remove the hidden folders beside `out` that a writer of this host left behind when it
+    was killed before cleaning up (kill -9, an OOM kill): a staging folder it was filling,
+    or the earlier output it had moved aside once `out` holds the new one (without `out`,
+    that is the only copy: it stays, and is named). Only folders named by `staging_dir` /
+    `publish_dir` for this host and a process no longer running here are touched; another
+    host's (a shared filesystem) or a live writer's stay. Returns what was removed."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-{re.escape(_host())}-(\d+)-[A-Za-z0-9_]+")
+    removed = []
+    for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.*")):
+        found = pattern.fullmatch(path.name)
+        if not found or not path.is_dir() or path.is_symlink() or _running(int(found.group(2))):
+            continue
+        if found.group(1) == "old" and not out.exists():
+            print(f"note: {path} holds the output that was at {out} before a killed process replaced it; "
+                  f"move it back to {out} to keep it", file=sys.stderr, flush=True)
+            continue
+        print(f"removing {path}: left unfinished by process {found.group(2)}, which is no longer running",
+              file=sys.stderr, flush=True)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def staging_dir(out: Path) -> Path:
-    """A fresh hidden folder beside `out` (same filesystem, so `publish_dir` is one rename)."""
+    """A fresh hidden folder beside `out` (same filesystem, so `publish_dir` is one rename),
+    named for this host and process, so that a later writer can tell it abandoned (see
+    `remove_abandoned`, done here first)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    remove_abandoned(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{_writer_tag()}-", dir=out.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; outputs are meant to be read by others
     return tmp
 
@@ -181,7 +231,7 @@ def publish_dir(staging: Path, out: Path, *, manifest: str | None = None, format
             if manifest is not None and not holds_output(out, manifest, format):
                 raise OutputExistsError(f"{out} appeared while writing and is not a genrec output of this kind; "
                                  "refusing to replace it (this run's output is discarded)")
-            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            old = out.parent / f".{out.name}.old-{_writer_tag()}-{uuid.uuid4().hex[:8]}"
             os.rename(out, old)
     os.rename(staging, out)
     fsync_path(out.parent)

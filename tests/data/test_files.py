@@ -64,3 +64,64 @@ def test_the_claimed_path_is_absolute(tmp_path, monkeypatch):
     assert claim_output_dir(".", overwrite=False, manifest=MANIFEST) == tmp_path
     assert claim_output_dir("x/", overwrite=False, manifest=MANIFEST) == tmp_path / "x"
     assert claim_output_dir("x/..", overwrite=False, manifest=MANIFEST) == tmp_path
+
+
+def _hidden(tmp_path: Path, name: str) -> list[str]:
+    return sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f".{name}."))
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_the_next_one_keeps(tmp_path):
+    # kill -9 while synth fills its staging folder: the next writer of that output removes
+    # the folder (it held a part of the log), and the output is written whole.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = [sys.executable, "-m", "genrec.scripts.cli", "synth", "--out", str(tmp_path / "logs"),
+            "--users", "2000", "--items", "5000", "--events", "3000000", "--seed", "1"]
+    writer = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not any(p.is_file() for p in tmp_path.glob(".logs.tmp-*/*")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait()
+    left = _hidden(tmp_path, "logs")
+    assert len(left) == 1 and str(writer.pid) in left[0], left
+    assert not (tmp_path / "logs").exists()
+
+    again = subprocess.run(args[:-6] + ["--users", "50", "--items", "80", "--events", "2000", "--seed", "1"],
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert f"removing {tmp_path / left[0]}: left unfinished by process {writer.pid}" in again.stderr
+    assert _hidden(tmp_path, "logs") == []
+    assert (tmp_path / "logs" / "synth_manifest.json").is_file()
+
+
+def test_only_abandoned_folders_of_this_host_are_removed(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from genrec.data.files import remove_abandoned
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, alive, host = int(gone.stdout), os.getpid(), socket.gethostname()
+    names = {
+        f".out.tmp-{host}-{dead}-abc123": False,         # abandoned: removed
+        f".out.tmp-{host}-{alive}-abc123": True,         # a live writer's
+        f".out.tmp-otherhost-{dead}-abc123": True,       # another host's, on a shared filesystem
+        f".out.old-{host}-{dead}-abc123": True,          # without out/, the only copy of the output
+        f".outer.tmp-{host}-{dead}-abc123": True,        # another output's
+        f".out.tmp-{host}-{dead}-abc123-mine": True,     # not a name genrec makes
+    }
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "part.parquet").write_bytes(b"x")
+    removed = remove_abandoned(tmp_path / "out")
+    assert {p.name for p in removed} == {n for n, kept in names.items() if not kept}
+    assert {p.name for p in tmp_path.iterdir()} == {n for n, kept in names.items() if kept}
+    (tmp_path / "out").mkdir()  # once the new output is in place, the one moved aside goes
+    assert [p.name for p in remove_abandoned(tmp_path / "out")] == [f".out.old-{host}-{dead}-abc123"]
