@@ -140,9 +140,9 @@ def prepare(
     features: FeatureSpec,
     split: SplitConfig,
     *,
-    memory_budget_mb: int = 1024,
-    num_shards: int = 4,
-    row_group_users: int = 1024,
+    memory_budget_mb: int = PrepareConfig.memory_budget_mb,
+    num_shards: int = PrepareConfig.num_shards,
+    row_group_users: int = PrepareConfig.row_group_users,
     num_buckets: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
@@ -237,9 +237,9 @@ def prepare_converted(
     features: FeatureSpec,
     split: SplitConfig,
     *,
-    memory_budget_mb: int = 1024,
-    num_shards: int = 4,
-    row_group_users: int = 1024,
+    memory_budget_mb: int = PrepareConfig.memory_budget_mb,
+    num_shards: int = PrepareConfig.num_shards,
+    row_group_users: int = PrepareConfig.row_group_users,
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict:
@@ -270,8 +270,8 @@ def prepare_converted(
 # Settings checks (nothing is read or written before these pass)
 
 
-def check_settings(features: FeatureSpec, split: SplitConfig, *, memory_budget_mb: int = 1024,
-                   num_shards: int = 4, row_group_users: int = 1024) -> None:
+def check_settings(features: FeatureSpec, split: SplitConfig, *, memory_budget_mb: int, num_shards: int,
+                   row_group_users: int) -> None:
     """ValueError naming the setting for anything wrong in `prepare`'s settings that shows
     without reading a log."""
     split.validate()
