@@ -32,6 +32,21 @@ import uuid
 from pathlib import Path, PurePosixPath
 
 
+def check_utf8(values) -> None:
+    """ValueError naming the first string of `values` (or of a list among them) that is not
+    valid UTF-8: a path of other bytes, which Python keeps as surrogates. Parquet, JSON and
+    TOML take only UTF-8, and each failed deep inside with a codec error naming no path."""
+    for value in values:
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    shown = os.fsencode(item).decode("utf-8", "backslashreplace")
+                    raise ValueError(f"argument '{shown}' is not valid UTF-8: rename the path, or give it "
+                                     "through a link whose name is UTF-8") from None
+
+
 def fsync_path(path: str | os.PathLike) -> None:
     """fsync a file or a directory (a directory needs its own fsync so that a rename or a
     new entry in it survives a power cut)."""

@@ -7,23 +7,14 @@ Imports are local so `genrec --help` stays fast.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `args.command`'s handler. An argument that is not valid UTF-8 (a path of other
-    bytes, which Python keeps as surrogates) is refused first, naming it: parquet, JSON
-    and TOML take only UTF-8, and each failed deep inside with a codec error."""
-    for value in vars(args).values():
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, str) and not item.isascii():
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError:
-                    shown = os.fsencode(item).decode("utf-8", "backslashreplace")
-                    raise ValueError(f"argument '{shown}' is not valid UTF-8: rename the path, or give it "
-                                     "through a link whose name is UTF-8") from None
+    """Run `args.command`'s handler, once every argument is valid UTF-8 (see `check_utf8`)."""
+    from genrec.data.files import check_utf8
+
+    check_utf8(vars(args).values())
     return globals()[args.command](args) or 0
 
 
