@@ -185,6 +185,10 @@ class JobConfig:
                                                           "prefetch_factor"),
                nonnegative=("stochastic_length_min", "num_workers"),
                fraction=("stochastic_length_prob", "random_end_prob"))
+        if self.data.loader.max_seq_len > self.dense.max_seq_len:  # else refused at the first long row
+            raise ValueError(f"data.loader.max_seq_len ({self.data.loader.max_seq_len}) is longer than "
+                             f"dense.max_seq_len ({self.dense.max_seq_len}): the loader's windows must fit the "
+                             "tower; lower the first or raise the second")
         _check("sparse", self.sparse, positive=("ssd_slab_rows",), nonnegative=("snapshot_max_deltas",))
         if self.sparse.device is not None:
             try:

@@ -118,6 +118,7 @@ def test_none_turns_off_an_optional_setting_and_survives_a_round_trip(tmp_path):
     ("train.optim.grad_clip_norm=nan", "train.optim.grad_clip_norm must be a finite number > 0"),
     ("model.temperature=0", "model.temperature must be a finite number > 0, got 0"),
     ("train.seed=-1", "train.seed must be in [0, 2**32 - 1], got -1"),
+    ("data.loader.max_seq_len=201", "data.loader.max_seq_len (201) is longer than dense.max_seq_len (200)"),
     ("train.seed=4294967296", "train.seed must be in [0, 2**32 - 1], got 4294967296"),
     ("model.temperature=-1", "model.temperature must be a finite number > 0"),
     ("model.task_weights=[1.0, -2.0]", "model.task_weights[1] must be a finite number >= 0"),
