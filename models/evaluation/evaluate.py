@@ -440,6 +440,8 @@ def run_evaluation(
     """
     if split not in ("test", "valid"):
         raise ValueError(f"split must be 'test' or 'valid', got {split!r}")
+    if not 0 <= seed < 2**32:  # the bootstrap's generator; numpy's message named no option
+        raise ValueError(f"seed (--seed) must be in [0, 2**32 - 1], got {seed}")
     claim_report_dir(out_dir)  # refused now, not after the evaluation
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)

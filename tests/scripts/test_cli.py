@@ -87,6 +87,10 @@ def test_user_errors_exit_nonzero_naming_what_is_wrong(tmp_path):
     result = genrec("train", "--config", str(ROOT / "configs" / "demo.toml"), "--set", "dense.num_layers=\"two\"")
     assert result.returncode == 1 and "dense.num_layers" in result.stderr
 
+    result = genrec("eval", "--checkpoint", str(tmp_path / "run"), "--data", str(tmp_path / "data"),
+                    "--out", str(tmp_path / "report"), "--seed", "-1")
+    assert result.returncode == 1 and "--seed" in result.stderr and not (tmp_path / "report").exists()
+
 
 def test_a_path_that_is_not_utf8_is_named_and_nothing_is_written(tmp_path):
     # A file name of other bytes (Latin-1 here) reaches Python as surrogates; pyarrow and
