@@ -42,6 +42,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
     if dtype is None:
         dtype = read_manifest(delta_since)["dtype"] if delta_since is not None else "fp32"
     step_dir, run_dir = resolve_checkpoint(checkpoint)
+    version = version or f"{run_dir.name}-{step_dir.name}-{dtype}"
+    if not (0 < len(version) <= 200 and version.isprintable()):  # it goes into logs, metrics and responses
+        raise ValueError(f"export: model version {version!r} must be 1-200 printable characters "
+                         "(no newlines or control characters): choose one with --model-version")
     if data_dir is None:
         trained_on = json.loads((run_dir / CONFIG_FILE).read_text()).get("data", {}).get("path")
         if not trained_on or not Path(trained_on).is_dir():
@@ -62,7 +66,6 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
         item_features = item_features_from_events(
             model.item_corpus, flat[cfg.data.features.item], {f: flat[f] for f in side}
         )
-    version = version or f"{run_dir.name}-{step_dir.name}-{dtype}"
     if delta_since is None:
         return export_artifact(
             model, to_dict(cfg), out_dir, dtype=dtype, item_ids=model.item_corpus, version=version,

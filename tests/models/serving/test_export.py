@@ -73,6 +73,17 @@ def test_a_delta_takes_its_bases_dtype_unless_told(moved_run, tmp_path, capsys):
     assert not (tmp_path / "d2").exists()
 
 
+def test_a_model_version_with_control_characters_is_refused_before_loading(moved_run, tmp_path, capsys):
+    # The version is printed in logs, a Prometheus label and every response: a newline in it
+    # split a log line in two.
+    run, data = moved_run
+    for bad in ("v1\nrelease", "v\x00", "x" * 201):
+        assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "a"), "--data", str(data),
+                     "--model-version", bad]) == 1
+        assert "--model-version" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+
 def test_export_flags_reach_export_checkpoint(monkeypatch):
     from genrec.models.serving import export as export_module
 
