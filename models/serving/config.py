@@ -38,7 +38,9 @@ class ServingConfig:
     natively (AVX-512 BF16, AMX) and the products are large (`ranker.AUTO_BF16_MIN_SCORES`), else
     fp32. The retrieval user vector is fp32 either way."""
     advertiser_feature: str = "advertiser_id"
-    """Item side feature that `allowed_advertisers` filters on."""
+    """Item side feature that `allowed_advertisers` filters on. Another name than this default
+    must be one of the artifact's item features (refused at load); the default may be absent,
+    and then a request with `allowed_advertisers` gets a 422 naming it."""
     exact_retrieval: bool = False
     """Search the exact item index even when the artifact has an approximate one (recall checks)."""
     ann_nprobe: int | None = None

@@ -156,6 +156,10 @@ class Ranker:
                 table.cache = RowCache(table.ids_N.numel(), table.dim, cache_bytes)
         self.item_ids_N = contents.item_ids_N
         self.item_side = contents.item_side_features
+        adv = self.cfg.advertiser_feature
+        if adv != ServingConfig.advertiser_feature and adv not in self.item_side:  # asked for, not there
+            raise ValueError(f"ServingConfig.advertiser_feature (--advertiser-feature) {adv!r} is not an item "
+                             f"feature of this artifact; it has {sorted(self.item_side)}")
         self.item_scale_N = contents.item_scale_N
         # Where each retrieval-index item sits in the item table, found once: candidates (index
         # positions) and history items found in the index then read their rows without a

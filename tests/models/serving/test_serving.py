@@ -135,6 +135,18 @@ def test_history_dtype_auto_and_bad_values(setup):
         load_artifact(rankers["fp32"].path, ServingConfig(history_dtype="fp16"))
 
 
+def test_an_advertiser_feature_the_artifact_lacks_is_refused_at_load(setup):
+    """--advertiser-feature naming a feature the items do not carry started a server whose
+    every allowed_advertisers request then failed; the default may be absent (no filter)."""
+    _, _, rankers = setup
+    side = sorted(rankers["fp32"].item_side)
+    assert side, "the setup's items carry side features"
+    assert load_artifact(rankers["fp32"].path, ServingConfig(advertiser_feature=side[-1])).item_side
+    with pytest.raises(ValueError, match=r"--advertiser-feature\) 'advertiser' is not an item feature of this "
+                                         r"artifact; it has \["):
+        load_artifact(rankers["fp32"].path, ServingConfig(advertiser_feature="advertiser"))
+
+
 @pytest.mark.parametrize("key, value", [("micro_batch", -1), ("micro_batch", 0), ("max_k", 0), ("max_n", 0),
                                         ("max_request_events", 0), ("retrieval_block_rows", -5),
                                         ("max_history", 0), ("ann_nprobe", 0), ("micro_batch", 2.5)])
