@@ -44,11 +44,9 @@ class OptimConfig:
     """Clip the global dense-gradient L2 norm to this; None turns clipping off."""
 
     def __post_init__(self) -> None:
-        _check("train.optim", self, nonnegative=("lr", "weight_decay", "warmup_steps"), positive=("eps",))
-        _check("train.optim", self, positive=("grad_clip_norm",))  # or none: no clipping
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"train.optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+        _check("train.optim", self, nonnegative=("lr", "weight_decay", "warmup_steps"),
+               positive=("eps", "grad_clip_norm"), fraction=("min_lr_ratio",), decay=("betas",))
+        if len(self.betas) != 2:
             raise ValueError(f"train.optim.betas must be two numbers in [0, 1), got {self.betas}")
 
 
@@ -59,16 +57,18 @@ _RANGES = {"positive": (lambda v: v > 0, "> 0"), "nonnegative": (lambda v: v >= 
 
 def _check(section: str, obj: object, **names: tuple[str, ...]) -> None:
     """ValueError naming `section.key` for a number out of range (`positive=("lr",)`, or
-    nonnegative, fraction [0, 1], decay [0, 1), probability (0, 1]) or not finite; an optional key left
-    unset (None) passes. NaN fails every comparison, inf is refused by name."""
+    nonnegative, fraction [0, 1], decay [0, 1), probability (0, 1]) or not finite, and
+    `section.key[i]` for an item of a list; an optional key left unset (None) passes. NaN
+    fails every comparison, inf is refused by name."""
     for kind, keys in names.items():
         ok, wanted = _RANGES[kind]
         for name in keys:
             value = getattr(obj, name)
-            if value is None:
-                continue
-            if not (ok(value) and math.isfinite(value)):
-                raise ValueError(f"{section}.{name} must be a finite number {wanted}, got {value}")
+            items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
+            for i, item in items:
+                if item is not None and not (ok(item) and math.isfinite(item)):
+                    key = name if i is None else f"{name}[{i}]"
+                    raise ValueError(f"{section}.{key} must be a finite number {wanted}, got {item}")
 
 
 @dataclass(kw_only=True)
@@ -177,10 +177,7 @@ class JobConfig:
         # (a NaN rate or a zero temperature otherwise surfaced steps later as a NaN loss).
         _check("model", self.model, positive=("temperature", "contrastive_temperature", "num_negatives",
                                               "full_softmax_max_items", "ranking_hidden_dim"),
-               nonnegative=("retrieval_weight", "contrastive_weight"))
-        for i, weight in enumerate(self.model.task_weights):
-            if not (weight >= 0 and math.isfinite(weight)):
-                raise ValueError(f"model.task_weights[{i}] must be a finite number >= 0, got {weight}")
+               nonnegative=("retrieval_weight", "contrastive_weight", "task_weights"))
         _check("data.loader", self.data.loader, positive=("batch_size", "max_seq_len", "num_candidates",
                                                           "prefetch_factor"),
                nonnegative=("stochastic_length_min", "num_workers"),
