@@ -1,13 +1,20 @@
-"""The overwrite rule of `claim_output_dir`: what it refuses, naming the path, before any work."""
+"""The overwrite rule of `claim_output_dir`: what it refuses, naming the path, before any work;
+and the hidden folders a killed writer leaves, removed by the next writer of that output."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from genrec.data.files import claim_output_dir
+from genrec.data.files import claim_output_dir, remove_abandoned
 
 MANIFEST = "m.json"
 
@@ -73,12 +80,6 @@ def _hidden(tmp_path: Path, name: str) -> list[str]:
 def test_a_writer_killed_mid_write_leaves_nothing_the_next_one_keeps(tmp_path):
     # kill -9 while synth fills its staging folder: the next writer of that output removes
     # the folder (it held a part of the log), and the output is written whole.
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     args = [sys.executable, "-m", "genrec.scripts.cli", "synth", "--out", str(tmp_path / "logs"),
             "--users", "2000", "--items", "5000", "--events", "3000000", "--seed", "1"]
     writer = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -100,13 +101,6 @@ def test_a_writer_killed_mid_write_leaves_nothing_the_next_one_keeps(tmp_path):
 
 
 def test_only_abandoned_folders_of_this_host_are_removed(tmp_path):
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    from genrec.data.files import remove_abandoned
-
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead, alive, host = int(gone.stdout), os.getpid(), socket.gethostname()
     names = {
