@@ -96,10 +96,8 @@ def test_a_path_that_is_not_utf8_is_named_and_nothing_is_written(tmp_path):
     # A file name of other bytes (Latin-1 here) reaches Python as surrogates; pyarrow and
     # JSON then failed deep inside with a codec error that named no path, after converting.
     out = tmp_path / "caf\udce9"
-    result = subprocess.run([sys.executable, "-m", "genrec.scripts.cli", "prepare", "--from", "movielens",
-                             "--input", str(ML100K), "--out", str(out),
-                             "--config", str(ROOT / "configs" / "ml100k.toml")],
-                            capture_output=True, text=True)
+    result = genrec("prepare", "--from", "movielens", "--input", str(ML100K), "--out", str(out),
+                    "--config", str(ROOT / "configs" / "ml100k.toml"))
     assert result.returncode == 1
     assert "argument '" + str(tmp_path) + "/caf\\xe9' is not valid UTF-8" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
