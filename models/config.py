@@ -160,8 +160,13 @@ class TrainConfig:
                             "num_threads"))
         if self.num_epochs is not None and self.num_epochs < 1:
             raise ValueError(f"train.num_epochs must be >= 1 or unset, got {self.num_epochs}")
-        if not 0 <= self.seed < 2**32:  # numpy's range; torch's error named no key, after the run folder was made
-            raise ValueError(f"train.seed must be in [0, 2**32 - 1], got {self.seed}")
+        check_seed(self.seed, "train.seed")  # torch's error named no key, after the run folder was made
+
+
+def check_seed(seed: int, key: str) -> None:
+    """ValueError naming `key` for a seed outside numpy's range [0, 2**32 - 1]."""
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"{key} must be in [0, 2**32 - 1], got {seed}")
 
 
 @dataclass(kw_only=True)

@@ -83,6 +83,7 @@ from genrec.models.evaluation.slices import (
 from genrec.models.model import GenerativeRecommender, interleave_jagged
 from genrec.models.evaluation.report import claim_report_dir, collect_versions, write_report
 from genrec.models.build import load_item_corpus
+from genrec.models.config import check_seed
 from genrec.models.evaluation.validation import target_ranks
 from genrec.models.ids import jagged_ranges, sorted_positions
 
@@ -440,8 +441,7 @@ def run_evaluation(
     """
     if split not in ("test", "valid"):
         raise ValueError(f"split must be 'test' or 'valid', got {split!r}")
-    if not 0 <= seed < 2**32:  # the bootstrap's generator; numpy's message named no option
-        raise ValueError(f"seed (--seed) must be in [0, 2**32 - 1], got {seed}")
+    check_seed(seed, "seed (--seed)")  # the bootstrap's generator; numpy's message named no option
     claim_report_dir(out_dir)  # refused now, not after the evaluation
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
