@@ -79,13 +79,15 @@ def _hidden(tmp_path: Path, name: str) -> list[str]:
 
 def test_a_writer_killed_mid_write_leaves_nothing_the_next_one_keeps(tmp_path):
     # kill -9 while synth fills its staging folder: the next writer of that output removes
-    # the folder (it held a part of the log), and the output is written whole.
+    # the folder (it held a part of the log), and the output is written whole. The log is
+    # 20 parts long so that the writer is still at work when its first part appears.
     args = [sys.executable, "-m", "genrec.scripts.cli", "synth", "--out", str(tmp_path / "logs"),
-            "--users", "2000", "--items", "5000", "--events", "3000000", "--seed", "1"]
+            "--users", "20000", "--items", "5000", "--events", "20000000", "--seed", "1"]
     writer = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while not any(p.is_file() for p in tmp_path.glob(".logs.tmp-*/*")) and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert writer.poll() is None, "the writer ended before it could be killed mid-write"
     os.kill(writer.pid, signal.SIGKILL)
     writer.wait()
     left = _hidden(tmp_path, "logs")
