@@ -465,9 +465,9 @@ def run_evaluation(
     if not runs_a:
         raise ValueError("checkpoint: no checkpoint given")
     models = [load_scored(c, data_dir) for c in runs_a + runs_b]
-    names = {POPULARITY}
+    names = {POPULARITY, AD_RATE, ORACLE}  # the baselines' report sections
     for i, scored in enumerate(models):
-        if i and scored.name in names:  # two runs of one name (e.g. run directories of the same name)
+        if i and scored.name in names:  # a run of a baseline's or another run's (folder) name
             scored.name += " (compare)" if i == len(runs_a) else f" ({i + 1})"
         names.add(scored.name)
     columns = {"user_type": USER_TYPE_VALUES, "history_length": bucket_labels(HISTORY_EDGES),

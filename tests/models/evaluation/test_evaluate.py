@@ -218,6 +218,10 @@ def test_deterministic_for_a_seed_and_self_comparison_is_zero(trained, report, t
     cmp = {k: v for k, v in second.items() if k.startswith("comparisons.run (compare).")}
     assert cmp and all(v == 0.0 for k, v in cmp.items() if k.endswith((".diff", ".low", ".high")))
     assert second["baselines.run (compare).retrieval.mrr"] == second["retrieval.mrr"]
+    # A compared run in a folder named after a baseline keeps its own section.
+    shutil.copytree(run, tmp_path / "oracle")
+    named = _evaluate(run, data, tmp_path / "named", compare=tmp_path / "oracle")
+    assert named["baselines.oracle (compare).retrieval.mrr"] == second["retrieval.mrr"]
     other_seed = _evaluate(run, data, tmp_path / "seed1", seed=1)
     assert other_seed["retrieval.mrr"] == first["retrieval.mrr"]
     assert other_seed["ci.retrieval.mrr.low"] != first["ci.retrieval.mrr.low"]
