@@ -3,8 +3,9 @@
 An id that is not admitted yet is counted per training forward. The sighting that
 brings its count to `admit_min_count` and every later one while it is still not
 admitted admit it with probability `admit_probability`: one deterministic draw per
-(id, batch), from (table seed, id, count before the batch), so a batch with k such
-sightings admits it with 1 - (1 - p)^k whatever the sharding or the order in the batch.
+(id, batch), from (table seed, id, count before the batch, store step), so a batch with k such
+sightings admits it with 1 - (1 - p)^k whatever the sharding or the order in the batch,
+and a count forgotten (below) does not bring back a draw that already refused the id.
 
 Counters are bounded, since every id seen once would otherwise cost memory (and
 snapshot bytes) forever: a counter whose last sighting is older than `ttl_seconds` of
@@ -59,7 +60,11 @@ class PendingCounters(TensorHashMap):
         if cfg.admit_probability < 1.0:
             # Sightings numbered prev+1 .. total; those from min_count on each get a chance.
             chances_N = (total_N - prev_N.clamp(min=cfg.admit_min_count - 1)).clamp(min=0)
-            u_N = uniform01(cfg.seed + 0x51ED, splitmix64(ids_N) ^ prev_N, 1)[:, 0]
+            # Keyed on the store step too: a count that lapsed (TTL) or was dropped
+            # (admit_max_pending) restarts at 0, and a draw from (id, count) alone would
+            # repeat the number that already refused the id, batch after batch.
+            key_N = splitmix64(splitmix64(ids_N) ^ prev_N) ^ step
+            u_N = uniform01(cfg.seed + 0x51ED, key_N, 1)[:, 0]
             ok_N &= u_N < 1.0 - (1.0 - cfg.admit_probability) ** chances_N.to(torch.float64)
         new_N3 = torch.stack([total_N, torch.full_like(total_N, now or 0), torch.full_like(total_N, step)], dim=1)
         keep_N = have_N & ~ok_N

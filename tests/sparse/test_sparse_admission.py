@@ -119,3 +119,20 @@ def test_pending_counters_are_capped_dropping_least_recent_then_least_seen():
     assert all(i in kept for i in later), "the newest counters were dropped"
     assert not (any(i not in kept for i in twice) and any(i in kept for i in once)), \
         "among counters of one step, an id seen twice was dropped while one seen once was kept"
+
+
+def test_admission_draws_differ_between_batches_after_a_count_lapses():
+    """min_count 1, ids seen once per batch with batches further apart than the TTL: each
+    sighting starts a new count, and must still be a new chance (not the draw that already
+    refused the id, repeated): 3 batches admit 1-(1-p)^3 of the ids at some point."""
+    p, n = 0.25, 20_000
+    cfg = TableConfig(name="t", embedding_dim=2, feature_names=["f"], admit_min_count=1, admit_probability=p,
+                      ttl_seconds=10, seed=11, device_rows=n, host_rows=0)
+    tec = TieredEmbeddingCollection(SparseConfig(tables=[cfg]))
+    store, ids, ever = tec.stores["t"], list(range(n)), set()
+    for k in range(3):
+        train_step(tec, kjt_of({"f": [ids]}), event_time=100 * k)
+        slots, got = store.tiers[0].used_slots()
+        ever |= set(got.tolist())
+    expected = 1.0 - (1.0 - p) ** 3
+    assert abs(len(ever) / n - expected) <= 4.5 * math.sqrt(expected * (1.0 - expected) / n), len(ever) / n
