@@ -145,9 +145,12 @@ class ServingTable:
         """float32 [len(ids), D]; ids never seen in training read the default row (zeros).
         `at`: the ids' `positions`, where the caller already has them."""
         ids = ids.long()
-        pos, found = self.positions(ids) if at is None else at
-        rows = self._read(pos) if self.cache is None else self.cache.lookup(pos, self._read)
-        rows *= found.unsqueeze(1)
+        if self.ids_N.numel() == 0:  # a table with no rows (no id of its features was admitted): all default
+            rows = torch.zeros(ids.numel(), self.dim)
+        else:
+            pos, found = self.positions(ids) if at is None else at
+            rows = self._read(pos) if self.cache is None else self.cache.lookup(pos, self._read)
+            rows *= found.unsqueeze(1)
         if self.patch is not None:
             p = self.patch
             ppos, pfound = sorted_positions(p.ids_N, ids)

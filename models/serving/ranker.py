@@ -465,19 +465,24 @@ class Ranker:
         offsets_B1 = torch.cat([torch.zeros(1, dtype=torch.int64), counts_B.cumsum(0)])
         ts_C = torch.repeat_interleave(torch.tensor(times, dtype=torch.int64), counts_B)
         states_CD = tokens_CD.new_empty(tokens_CD.shape)
-        dtype = self.score_dtype(int(counts_B.max()), cache.timestamps_BL.shape[1])
-        if cache.keys and cache.keys[0].dtype != dtype:  # once per call, not per micro-batch
-            cache = dataclasses.replace(cache, keys=[k.to(dtype) for k in cache.keys],
-                                        values=[v.to(dtype) for v in cache.values])
-        # A candidate's state depends on the history and itself only (the target-aware
-        # mask), so neither the chunk size nor the candidate count is bounded by max_seq_len.
+        # Each user's dtype from its own candidates and history, never from its batch's
+        # largest: a request's answer must not depend on the others batched with it.
+        dtypes_B = [self.score_dtype(c, h) for c, h in zip(counts_B.tolist(), cache.history_lengths_B.tolist())]
         m = self.cfg.micro_batch
-        for c0 in range(0, max([0] + counts_B.tolist()), m):
-            lo_B = (offsets_B1[:-1] + c0).minimum(offsets_B1[1:])
-            hi_B = (lo_B + m).minimum(offsets_B1[1:])
-            sel = torch.cat([torch.arange(int(a), int(z)) for a, z in zip(lo_B, hi_B)])
-            chunk_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), (hi_B - lo_B).cumsum(0)])
-            states_CD[sel] = self.model.tower.score_targets(cache, tokens_CD[sel], chunk_offsets, ts_C[sel], m)
+        for dtype in dict.fromkeys(dtypes_B):
+            mine_B = torch.tensor([d == dtype for d in dtypes_B])
+            part = cache
+            if cache.keys and cache.keys[0].dtype != dtype:  # once per call, not per micro-batch
+                part = dataclasses.replace(cache, keys=[k.to(dtype) for k in cache.keys],
+                                           values=[v.to(dtype) for v in cache.values])
+            # A candidate's state depends on the history and itself only (the target-aware
+            # mask), so neither the chunk size nor the candidate count is bounded by max_seq_len.
+            for c0 in range(0, max([0] + counts_B[mine_B].tolist()), m):
+                lo_B = (offsets_B1[:-1] + c0).minimum(offsets_B1[1:])
+                hi_B = torch.where(mine_B, (lo_B + m).minimum(offsets_B1[1:]), lo_B)  # others: none this call
+                sel = torch.cat([torch.arange(int(a), int(z)) for a, z in zip(lo_B, hi_B)])
+                chunk_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), (hi_B - lo_B).cumsum(0)])
+                states_CD[sel] = self.model.tower.score_targets(part, tokens_CD[sel], chunk_offsets, ts_C[sel], m)
         return torch.sigmoid(self.model.ranking_logits(self.model.head_input(states_CD, tokens_CD)))
 
     def score_dtype(self, candidates: int, history: int) -> torch.dtype:
@@ -539,6 +544,10 @@ def _check_feature_tables(m: dict, features: FeatureSpec, contents: ArtifactCont
                              f"sparse feature {f!r}), got {dim!r}")
         if not any(f in meta["features"] for meta in m["tables"].values()):
             raise ValueError(f"{where}: 'features.sparse' names {f!r}, which no entry of 'tables' serves")
+        for name, meta in m["tables"].items():
+            if f in meta["features"] and contents.tables[name].dim != dim:
+                raise ValueError(f"artifact file tables/{name}.safetensors: rows of width {contents.tables[name].dim}, "
+                                 f"but {where} gives sparse feature {f!r} dimension {dim} ('feature_dims.{f}')")
         if f not in (features.item, features.action) and f not in contents.item_side_features:
             raise ValueError(f"{where}: candidate side feature {f!r} has no column 'feature.{f}' in the item index")
 

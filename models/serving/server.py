@@ -99,8 +99,9 @@ SHUTDOWN_GRACE_S = 5
 """On SIGTERM, requests in flight get this long to finish before the server exits."""
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-Time = Annotated[int, Field(ge=-(1 << 62), le=1 << 62)]
-"""A timestamp: any two differ by less than int64's range (the time bias takes |t_i - t_j|)."""
+Time = Annotated[int, Field(ge=-(1 << 62), le=(1 << 62) - 1)]
+"""A timestamp: any two differ by less than int64's range (the time bias takes |t_i - t_j|;
+2**62 - -2**62 = 2**63 would wrap to INT64_MIN, whose |.| is negative: a gap of 0)."""
 Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 

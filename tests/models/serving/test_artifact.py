@@ -375,3 +375,54 @@ def test_the_unpickling_scan_catches_what_it_should():
     src = ("import pickle\nfrom dill import loads\ntorch.export.load(p)\ntorch.load(p)\n"
            "torch.load(p, weights_only=False)\nnp.load(p, allow_pickle=True)\ntorch.load(p, weights_only=True)\n")
     assert [line for line, _ in _unpickling_calls(ast.parse(src))] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_a_table_with_no_rows_reads_the_default_row(tmp_path, dtype):
+    """A feature none of whose ids the tiered store admitted exports as an empty table; its
+    lookups read the default row (zeros), as the store's do, instead of failing every request."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from genrec.data.config import FeatureSpec
+    from genrec.dense.config import TowerConfig
+    from genrec.dense.tower import build_tower
+    from genrec.models.model import GenerativeRecommender, ModelConfig
+    from genrec.sparse.config import SparseConfig, TableConfig
+    from genrec.sparse.module import TieredEmbeddingCollection
+
+    D = 8
+    spec = FeatureSpec(sparse=["item_id", "action", "advertiser_id"], labels=["click"])
+    store = TieredEmbeddingCollection(SparseConfig(tables=[
+        TableConfig(name="items", embedding_dim=D, feature_names=["item_id"]),
+        TableConfig(name="actions", embedding_dim=D, feature_names=["action"]),
+        TableConfig(name="advertisers", embedding_dim=D, feature_names=["advertiser_id"])]))
+    tower = build_tower(TowerConfig(embedding_dim=D, num_heads=1, attention_dim=4, linear_dim=4, max_seq_len=32))
+    model = GenerativeRecommender(features=spec, cfg=ModelConfig(ranking=True, ranking_tasks=["click"], task_weights=[1.0]),
+                                  embeddings=store, feature_dims={f: D for f in spec.sparse}, tower=tower, dim=D)
+    gen = torch.Generator().manual_seed(0)
+    items = torch.randint(1000, (50,), generator=gen)
+    model.train()
+    store(KeyedJaggedTensor(keys=spec.sparse, values=torch.cat([items, torch.randint(3, (50,), generator=gen)]),
+                            lengths=torch.tensor([50, 50, 0])))  # no advertiser id admitted
+    model.eval()
+    corpus = items.unique()
+    art = export_artifact(model, {}, tmp_path / "a", dtype=dtype, item_ids=corpus, version="v", export_program=False,
+                          item_features={"advertiser_id": torch.full((corpus.numel(),), 7)})
+    table = load_artifact_contents(art).tables["advertisers"]
+    assert table.ids_N.numel() == 0
+    assert torch.equal(table.lookup(torch.tensor([7, 12345])), torch.zeros(2, D))
+    out = ranker_module.load_artifact(art).rank({"item_ids": items[:3].tolist(), "actions": [0, 1, 0],
+                                                 "timestamps": [1, 2, 3], "k": 5, "n": 3})
+    assert len(out["items"]) == 3
+
+
+def test_a_table_narrower_than_its_features_dimension_is_refused_at_load(model_and_items, tmp_path):
+    """A table (and its manifest entry) of another width than `feature_dims` says loaded and
+    then failed every request (500s; a reload to it answered 200)."""
+    art = _export(model_and_items, tmp_path / "a")
+    rewrite_tensors(art, "tables/t_category_id.safetensors", lambda t: {**t, "rows": t["rows"][:, :8]})
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["tables"]["t_category_id"]["embedding_dim"] = 8
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="tables/t_category_id.safetensors"):
+        ranker_module.load_artifact(art)

@@ -566,3 +566,21 @@ def test_serve_flags_reach_the_server(monkeypatch, tmp_path):
     cfg = seen["serving_cfg"]
     assert (cfg.max_k, cfg.max_n, cfg.max_request_events, cfg.micro_batch) == (50, 20, 300, 8)
     assert cfg.retrieval_block_rows == ServingConfig().retrieval_block_rows  # unset flags keep the defaults
+
+
+def test_every_accepted_pair_of_times_differs_within_int64():
+    """The time bias takes |t_i - t_j| in int64: at the old bounds (+-2**62) the gap was 2**63,
+    which wrapped to INT64_MIN and was scored as a gap of 0 (a different answer than one
+    second less)."""
+    from pydantic import ValidationError
+
+    from genrec.models.serving.server import RankBody
+
+    bounds = RankBody.model_json_schema()["properties"]["timestamps"]["items"]
+    assert bounds["maximum"] - bounds["minimum"] <= INT64_MAX
+    body = {"item_ids": [1, 2], "actions": [0, 0]}
+    with pytest.raises(ValidationError):
+        RankBody.model_validate(dict(body, timestamps=[-(1 << 62), 1 << 62]))
+    with pytest.raises(ValidationError):
+        RankBody.model_validate(dict(body, timestamps=[0, 1], request_time=1 << 62))
+    RankBody.model_validate(dict(body, timestamps=[-(1 << 62), (1 << 62) - 1]))

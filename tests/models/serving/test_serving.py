@@ -406,3 +406,24 @@ def test_item_rows_through_the_index_map_equal_a_search_of_the_item_table(tmp_pa
     # The items the index lacks read their own rows: the table's for 1 and 3, none for the third.
     rows = ranker.table_of["item_id"].lookup(torch.tensor([1, 3, NUM_ITEMS + 7]))
     assert bool(rows[:2].abs().sum(1).gt(0).all()) and not bool(rows[2].any())
+
+
+def test_history_dtype_auto_does_not_depend_on_the_batch(tmp_path, monkeypatch):
+    """history_dtype="auto" picks bf16 for large products: the choice is the request's own,
+    not its batch's (a short history batched beside a long one used to be scored in bf16,
+    alone in fp32, and its answer changed by ~1e-2)."""
+    model, item_ids, feats = build_synthetic_model(num_items=600, dim=16, max_seq_len=400, seed=3)
+    with torch.no_grad():  # attention logits of a trained model's size, so bf16 shows
+        for name, p in model.named_parameters():
+            if name.endswith("uvqk.weight"):
+                p.mul_(20)
+    art = export_artifact(model, {}, tmp_path / "a", dtype="fp32", item_ids=item_ids, item_features=feats,
+                          version="v", export_program=False)
+    r = load_artifact(art, ServingConfig(max_k=600, history_dtype="auto"))
+    monkeypatch.setattr(r, "_native_bf16", True)  # the CPUs where "auto" chooses bf16
+    short = synthetic_request(600, 5, k=500, n=50, seed=1, item_features=feats)
+    long = synthetic_request(600, 300, k=500, n=50, seed=2, item_features=feats)
+    alone = r.rank(short)
+    together = r.rank_batch([short, long])[0]
+    assert [x["item_id"] for x in together["items"]] == [x["item_id"] for x in alone["items"]]
+    assert max(abs(a["score"] - b["score"]) for a, b in zip(together["items"], alone["items"])) < 1e-5
