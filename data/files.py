@@ -246,6 +246,11 @@ def publish_dir(staging: Path, out: Path, *, manifest: str | None = None, format
             if manifest is not None and not holds_output(out, manifest, format):
                 raise OutputExistsError(f"{out} appeared while writing and is not a genrec output of this kind; "
                                  "refusing to replace it (this run's output is discarded)")
+            foreign = _unlisted_entries(out, manifest) if manifest is not None else []
+            if foreign:  # put there while we were writing: claim_output_dir saw none
+                raise OutputExistsError(f"refusing to replace {out}: files its {manifest} does not list appeared "
+                                        f"while writing ({', '.join(foreign[:5])}); move them away and run again "
+                                        f"(this run's output is discarded)")
             old = out.parent / f".{out.name}.old-{_writer_tag()}-{uuid.uuid4().hex[:8]}"
             os.rename(out, old)
     os.rename(staging, out)

@@ -191,16 +191,21 @@ def start_fresh(run_dir: Path) -> None:
     files, e.g. a report written there, stay). Refused, removing nothing, unless `run_dir` is
     absent, empty or a genrec training run (its `run.json`)."""
     claim_output_dir(run_dir, overwrite=True, manifest=RUN_MANIFEST, format=RUN_FORMAT, flag="--fresh")
-    present = [run_dir / name for name in TRAINING_OUTPUTS if (run_dir / name).exists()]
-    if not present:
-        return
-    # Moved aside in one folder first: a crash mid-removal leaves no half-deleted checkpoint
-    # under its own name, and the folder's name says it is garbage.
-    doomed = run_dir / f".fresh-removed-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    doomed.mkdir()
-    for path in present:
-        os.replace(path, doomed / path.name)
-    shutil.rmtree(doomed, ignore_errors=True)
+    # run.json stays (training writes it again): a crash mid-removal must leave a folder that
+    # is still a run, which the next --fresh (or a plain start) accepts.
+    present = [run_dir / name for name in TRAINING_OUTPUTS if name != RUN_MANIFEST and (run_dir / name).exists()]
+    # What an earlier --fresh killed mid-removal left behind.
+    leftovers = [p for p in run_dir.glob(".fresh-removed-*") if p.is_dir() and not p.is_symlink()]
+    if present:
+        # Moved aside in one folder first: a crash mid-removal leaves no half-deleted checkpoint
+        # under its own name, and the folder's name says it is garbage.
+        doomed = run_dir / f".fresh-removed-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        doomed.mkdir()
+        for path in present:
+            os.replace(path, doomed / path.name)
+        leftovers.append(doomed)
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def saved_form(cfg: JobConfig) -> dict:

@@ -39,7 +39,7 @@ from genrec.models.build import (
     load_dense_state_dict, load_item_corpus, load_optimizer_state_dict, optimizer_state_dict,
 )
 from genrec.models.runs import (
-    CHECKPOINTS, CONFIG_FILE, RUN_FORMAT, RUN_MANIFEST, CorruptCheckpoint, read_best, sparse_snapshot_dir,
+    BEST_FILE, CHECKPOINTS, CONFIG_FILE, RUN_FORMAT, RUN_MANIFEST, CorruptCheckpoint, read_best, sparse_snapshot_dir,
     step_dir_name, write_best,
 )
 from genrec.models.train.checkpoint import (
@@ -176,6 +176,8 @@ class Trainer:
         if self.best is not None:
             self.checkpoints.pinned.add(int(self.best["step"]))
         self.validations_since_best = 0
+        self.validated_step: int | None = None
+        """The step validated last (saved with each checkpoint: a finished run is not validated again)."""
         self.saved_step: int | None = None
         self.stopped_by: str | None = None
         """The signal that stopped training early (None: it ran to the end)."""
@@ -328,7 +330,7 @@ class Trainer:
                         break
                 if self.step % tc.checkpoint_every == 0 and self.step < tc.max_steps and self.saved_step != self.step:
                     self.save(loader_state)
-            if not stopped and not (tc.eval_every and self.step % tc.eval_every == 0):  # not validated just now
+            if not stopped and self.validated_step != self.step:  # not validated just now, nor before a resume
                 self._validate_and_keep_best(logger, loader_state)
             if self.saved_step != self.step:
                 self.save(loader_state)
@@ -349,6 +351,7 @@ class Trainer:
         """Validate; on a new best `train.best_metric`, checkpoint this step and record it as
         the run's best (kept from pruning)."""
         result = self.validate()
+        self.validated_step = self.step
         logger.log(self.step, result)
         metric = self.cfg.train.best_metric
         value = result.get(f"valid/{metric}") if metric else None
@@ -358,10 +361,12 @@ class Trainer:
             self.validations_since_best += 1
             return
         self.validations_since_best = 0
-        self.save(loader_state)
         previous = None if self.best is None else int(self.best["step"])
-        self.best = {"step": self.step, "metric": f"valid/{metric}", "value": value,
+        self.best = {"step": self.step, "metric": f"valid/{metric}", "value": float(value),
                      "checkpoint": step_dir_name(self.step)}
+        # The checkpoint records itself as the best: a crash before best.json is written
+        # below leaves a record that the resume restores (and writes) from it.
+        self.save(loader_state)
         self.checkpoints.pinned = {self.step}
         if self.dist.is_main:
             write_best(self.out_dir, self.best)
@@ -409,7 +414,8 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
         }
         rank_state = {"step": self.step, "loader": loader_state, "rng": capture_rng_state(),
-                      "validations_since_best": self.validations_since_best}
+                      "validations_since_best": self.validations_since_best, "best": self.best,
+                      "validated_step": self.validated_step}
         published = self.checkpoints.save(
             self.step, dense_state=dense_state, rank_state=rank_state,
             # One snapshot directory for all ranks (each writes its shards, rank 0 the
@@ -460,8 +466,17 @@ class Trainer:
         self.step = int(rank_state["step"])
         self.saved_step = self.step
         self.validations_since_best = int(rank_state.get("validations_since_best", 0))
-        if self.best is not None and int(self.best["step"]) > self.step:
+        self.validated_step = rank_state.get("validated_step")
+        if "best" in rank_state:  # the run's best as of this checkpoint, whatever best.json says
+            self.best = rank_state["best"]
+            if self.dist.is_main and self.best != read_best(self.out_dir):
+                if self.best is None:
+                    (self.out_dir / BEST_FILE).unlink(missing_ok=True)
+                else:
+                    write_best(self.out_dir, self.best)
+        elif self.best is not None and int(self.best["step"]) > self.step:
             self.best = None  # recorded by a later part of the run that this resume replays
+        self.checkpoints.pinned = set() if self.best is None else {int(self.best["step"])}
         saved_world = int(rank_state["loader"]["world_size"])
         if self.dist.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)

@@ -121,3 +121,19 @@ def test_only_abandoned_folders_of_this_host_are_removed(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {n for n, kept in names.items() if kept}
     (tmp_path / "out").mkdir()  # once the new output is in place, the one moved aside goes
     assert [p.name for p in remove_abandoned(tmp_path / "out")] == [f".out.old-{host}-{dead}-abc123"]
+
+
+def test_publish_refuses_files_put_into_the_output_while_writing(tmp_path):
+    """claim_output_dir checks the folder before the work; a file of the user's put there
+    during a long job was deleted by publish_dir, which checked only the manifest."""
+    from genrec.data.files import publish_dir, staging_dir
+
+    out = tmp_path / "out"
+    _genrec_output(out)
+    assert claim_output_dir(out, overwrite=True, manifest=MANIFEST, format="x/1") == out
+    tmp = staging_dir(out)
+    _genrec_output(tmp)
+    (out / "notes.txt").write_text("written while the job ran")
+    with pytest.raises(ValueError, match=r"notes\.txt"):
+        publish_dir(tmp, out, manifest=MANIFEST, format="x/1")
+    assert (out / "notes.txt").read_text() == "written while the job ran"

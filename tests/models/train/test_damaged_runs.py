@@ -169,3 +169,26 @@ def test_eval_skips_damaged_steps_and_says_which_it_used(finished, tmp_path, cap
     with pytest.raises(FileNotFoundError, match="holds no complete checkpoint") as e:
         resolve_checkpoint(run)
     assert "resume" not in str(e.value)
+
+
+def test_a_fresh_start_killed_while_removing_the_old_run_can_be_started_again(prepared, finished, tmp_path):
+    """kill -9 while --fresh deletes the old run (gigabytes of checkpoints take a while): the
+    folder must still be a run that the next --fresh (or plain start) accepts and tidies,
+    not a foreign folder that both refuse."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from genrec.models.train.trainer import run_training
+
+    run = _copy(finished, tmp_path)
+    killed = ("import os, shutil, signal, sys\n"
+              "from pathlib import Path\n"
+              "from genrec.models.train.resume import start_fresh\n"
+              "shutil.rmtree = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # killed mid-removal\n"
+              "start_fresh(Path(sys.argv[1]))\n")
+    proc = subprocess.run([sys.executable, "-c", killed, str(run)], stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert len(run_training(tiny_config(prepared, run, max_steps=2, checkpoint_every=2), fresh=True)) == 2
+    assert not [p for p in run.iterdir() if p.name.startswith(".fresh-removed-")]

@@ -372,3 +372,48 @@ def test_training_validation_is_genrec_evals_metric(prepared, tmp_path, eval_bat
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     for name in ("hr@10", "ndcg@10", "mrr"):
         assert valid[f"valid/{name}"] == pytest.approx(report[f"retrieval.{name}"], abs=1e-9), name
+
+
+def test_a_kill_between_a_best_checkpoint_and_best_json_keeps_that_best(prepared, tmp_path):
+    """kill -9 after a new best's checkpoint is published but before best.json names it: the
+    resume must restore the best record with the checkpoint, not compare later validations
+    with the older best (which picked another best and let retention delete the true one)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from genrec.models.train.trainer import run_training
+    from test_train import _RUN_FROM_JSON
+
+    kw = dict(max_steps=16, eval_every=2, checkpoint_every=1000, keep_checkpoints=1, eval_max_users=0)
+    run_training(tiny_config(prepared, tmp_path / "ref", **kw))
+    want = json.loads((tmp_path / "ref" / BEST_FILE).read_text())
+    valid = [(r["step"], r["valid/ndcg@10"]) for r in _records(tmp_path / "ref") if "valid/ndcg@10" in r]
+    earlier = max(v for s, v in valid if s < want["step"])
+    # The case that tells: a later validation beats the earlier best but not the best.
+    assert any(earlier < v < want["value"] for s, v in valid if s > want["step"])
+
+    cfg = tiny_config(prepared, tmp_path / "run", **kw)
+    (tmp_path / "run.json").write_text(json.dumps(to_dict(cfg)))
+    proc = subprocess.run([sys.executable, "-c", _RUN_FROM_JSON, str(tmp_path / "run.json")],
+                          env=dict(os.environ, GENREC_FAULT_AT=f"save-published:{want['step']}"),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    run_training(cfg)
+    assert json.loads((tmp_path / "run" / BEST_FILE).read_text()) == want
+    assert (tmp_path / "run" / "checkpoints" / want["checkpoint"]).is_dir()  # pinned, not pruned
+
+
+def test_a_finished_run_started_again_is_not_validated_again(prepared, tmp_path):
+    """The same command on a run that ended at max_steps (not a multiple of eval_every) trains
+    nothing, and must not validate its last step a second time (a whole validation pass,
+    and a duplicate record in metrics.jsonl)."""
+    from genrec.models.train.trainer import run_training
+
+    run = tmp_path / "run"
+    cfg = tiny_config(prepared, run, max_steps=5, eval_every=4, checkpoint_every=1000)
+    run_training(cfg)
+    assert [r["step"] for r in _records(run) if "valid/ndcg@10" in r] == [4, 5]
+    assert run_training(cfg) == []
+    assert [r["step"] for r in _records(run) if "valid/ndcg@10" in r] == [4, 5]
