@@ -83,6 +83,8 @@ def open_log(path: Path, features: FeatureSpec) -> EventLog:
         if idx < 0:
             raise ValueError(f"{path}: missing column {name!r} ({role}); columns are {schema.names}")
         typ = schema.field(idx).type
+        if pa.types.is_dictionary(typ):  # pandas categoricals: judged (and read) by their values
+            typ = typ.value_type
         is_str = pa.types.is_string(typ) or pa.types.is_large_string(typ)
         if role == "timestamp":
             ok = pa.types.is_integer(typ)

@@ -350,6 +350,8 @@ def _pass1_spill(logs, features, columns, rec_dtype, spill_dir, num_buckets, tot
                     rec = np.empty(batch.num_rows, dtype=rec_dtype)
                     for name, slot in zip(columns, rec_dtype.names):
                         arr = batch.column(name)
+                        if pa.types.is_dictionary(arr.type):
+                            arr = arr.dictionary_decode()
                         if arr.null_count and name in key_columns:
                             raise ValueError(
                                 f"{log.path}: column {name!r} ({key_columns[name]}) has "

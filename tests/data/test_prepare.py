@@ -131,6 +131,30 @@ def test_string_ids_are_hashed_and_ints_pass_through(tmp_path):
     assert hash_string_id("bob") in read_split(tmp_path / "out", "train")
 
 
+def test_dictionary_encoded_string_ids_are_read_as_their_strings(tmp_path):
+    """A pandas categorical (an arrow dictionary of strings) holds string ids: it is hashed
+    like the plain strings (it was refused as neither integer nor string ids)."""
+    table = pa.table({"user_id": ["alice", "alice", "alice", "bob"], "ts": [3, 1, 2, 5],
+                      "item_id": ["x", "y", "z", "x"], "action": [1, 2, 3, 4],
+                      "click": pa.array([1, 0, 1, 0], pa.int8())})
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "dict").mkdir()
+    pq.write_table(table, tmp_path / "plain" / "a.parquet")
+    encoded = table
+    for name in ("user_id", "item_id"):
+        i = encoded.schema.get_field_index(name)
+        encoded = encoded.set_column(i, name, encoded.column(name).dictionary_encode())
+    pq.write_table(encoded, tmp_path / "dict" / "a.parquet")
+    assert pa.types.is_dictionary(pq.ParquetFile(tmp_path / "dict" / "a.parquet").schema_arrow.field("user_id").type)
+    features = FeatureSpec(sparse=["item_id", "action"], labels=["click"])
+    for name in ("plain", "dict"):
+        prepare(tmp_path / name, tmp_path / f"{name}-out", features, SplitConfig(), progress=False)
+    for split in ("train", "valid", "test"):
+        assert read_split(tmp_path / "dict-out", split) == read_split(tmp_path / "plain-out", split)
+    assert read_split(tmp_path / "dict-out", "test")[hash_string_id("alice")]["item_id"] == [
+        hash_string_id(s) for s in ("y", "z", "x")]
+
+
 def test_bucket_count_does_not_change_output(tmp_path):
     """The out-of-core path (many spill buckets) gives the same rows as a single bucket,
     and the same input gives byte-identical output."""
