@@ -185,13 +185,16 @@ class JobConfig:
                nonnegative=("retrieval_weight", "contrastive_weight", "task_weights"))
         _check("data.loader", self.data.loader, positive=("batch_size", "max_seq_len", "num_candidates",
                                                           "prefetch_factor"),
-               nonnegative=("stochastic_length_min", "num_workers"),
+               nonnegative=("stochastic_length_min", "num_workers", "seed"),  # seed: numpy's error named no key
                fraction=("stochastic_length_prob", "random_end_prob"))
         if self.data.loader.max_seq_len > self.dense.max_seq_len:  # else refused at the first long row
             raise ValueError(f"data.loader.max_seq_len ({self.data.loader.max_seq_len}) is longer than "
                              f"dense.max_seq_len ({self.dense.max_seq_len}): the loader's windows must fit the "
                              "tower; lower the first or raise the second")
         _check("sparse", self.sparse, positive=("ssd_slab_rows",), nonnegative=("snapshot_max_deltas",))
+        # TowerConfig checks its sizes and rates, not these: a zero divisor failed in the first
+        # forward, a NaN one or a NaN epsilon trained (NaN losses), after the run folder was made.
+        _check("dense", self.dense, positive=("time_bucket_divisor", "layer_norm_eps"))
         if self.sparse.device is not None:
             try:
                 torch.device(self.sparse.device)

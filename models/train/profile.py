@@ -32,18 +32,19 @@ the cached history), .respond (the answer).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import resource
 import shutil
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
-from genrec.data.files import atomic_write_text, claim_output_dir
+from genrec.data.files import atomic_write_text, claim_output_dir, publish_dir, staging_dir
 from genrec.models.benchrecord import finish_record, start_record
 from genrec.models.config import JobConfig
 
@@ -56,16 +57,22 @@ SERVE_STAGES = ("genrec.serve.history", "genrec.serve.encode", "genrec.serve.ret
 PROFILE_FORMAT = "genrec.profile/1"
 
 
-def _start(out: str | Path, steps: int, overwrite: bool) -> tuple[Path, dict]:
-    """The claimed output folder, and the record of the conditions the profile starts under."""
+@contextlib.contextmanager
+def _output(out: str | Path, steps: int, overwrite: bool) -> Iterator[tuple[Path, dict]]:
+    """A staging folder for the profile, and the record of the conditions it starts under.
+    The profile replaces `out` (an earlier profile, with --overwrite) only once it is
+    written: one refused or failing on the way (a wrong data.path, no artifact) leaves `out`
+    as it was and nothing of its own."""
     if steps < 1:
         raise ValueError(f"genrec profile: --steps must be >= 1, got {steps}")
-    out = Path(out)
-    claim_output_dir(out, overwrite=overwrite, manifest="summary.json", format=PROFILE_FORMAT)
-    if overwrite and out.exists():
-        shutil.rmtree(out)  # claim_output_dir checked that it is an earlier profile's output
-    out.mkdir(parents=True, exist_ok=True)
-    return out, start_record()
+    out = claim_output_dir(out, overwrite=overwrite, manifest="summary.json", format=PROFILE_FORMAT)
+    tmp = staging_dir(out)
+    try:
+        yield tmp, start_record()
+        publish_dir(tmp, out, manifest="summary.json", format=PROFILE_FORMAT)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _profiled(out: Path, steps: int, step: Callable[[int], None]) -> tuple[profile, list[float]]:
@@ -114,31 +121,31 @@ def profile_training(cfg: JobConfig, steps: int, out: str | Path, overwrite: boo
     the summary written to OUT/summary.json."""
     from genrec.models.train.bench import _tower_flops, _tower_matmul_params, matmul_peak_gflops
 
-    out, record = _start(out, steps, overwrite)
-    cfg, trainer, batches = _trainer(cfg, steps, out)
-    matmul_params = _tower_matmul_params(cfg)  # once, not inside the profiled steps
-    flops, loader_state = 0.0, None
+    with _output(out, steps, overwrite) as (out, record):
+        cfg, trainer, batches = _trainer(cfg, steps, out)
+        matmul_params = _tower_matmul_params(cfg)  # once, not inside the profiled steps
+        flops, loader_state = 0.0, None
 
-    def step(i: int) -> None:
-        nonlocal flops, loader_state
-        with record_function("genrec.data"):  # the batch, and the read-ahead of the next one's SSD rows
-            batch, loader_state, upcoming = batches.next()
-            trainer.read_ahead_next(upcoming)
-        trainer.train_step(batch)
-        trainer.step += 1
-        if i:
-            flops += _tower_flops(cfg, batch, matmul_params)
+        def step(i: int) -> None:
+            nonlocal flops, loader_state
+            with record_function("genrec.data"):  # the batch, and the read-ahead of the next one's SSD rows
+                batch, loader_state, upcoming = batches.next()
+                trainer.read_ahead_next(upcoming)
+            trainer.train_step(batch)
+            trainer.step += 1
+            if i:
+                flops += _tower_flops(cfg, batch, matmul_params)
 
-    prof, step_seconds = _profiled(out, steps, step)
-    with record_function("genrec.checkpoint"):
-        t0 = time.perf_counter()
-        trainer.save(loader_state)
-        checkpoint_s = time.perf_counter() - t0
-    summary = _summarize(prof, steps, step_seconds, TRAIN_STAGES)
-    seconds, peak = sum(step_seconds), matmul_peak_gflops()
-    summary.update(checkpoint_ms=1e3 * checkpoint_s, tower_gflops_per_s=flops / seconds / 1e9,
-                   matmul_peak_gflops=peak, mfu=flops / seconds / 1e9 / peak)
-    return _write(out, "train", summary, record)
+        prof, step_seconds = _profiled(out, steps, step)
+        with record_function("genrec.checkpoint"):
+            t0 = time.perf_counter()
+            trainer.save(loader_state)
+            checkpoint_s = time.perf_counter() - t0
+        summary = _summarize(prof, steps, step_seconds, TRAIN_STAGES)
+        seconds, peak = sum(step_seconds), matmul_peak_gflops()
+        summary.update(checkpoint_ms=1e3 * checkpoint_s, tower_gflops_per_s=flops / seconds / 1e9,
+                       matmul_peak_gflops=peak, mfu=flops / seconds / 1e9 / peak)
+        return _write(out, "train", summary, record)
 
 
 def profile_sparse(cfg: JobConfig, steps: int, out: str | Path, overwrite: bool = False) -> dict:
@@ -147,31 +154,31 @@ def profile_sparse(cfg: JobConfig, steps: int, out: str | Path, overwrite: bool 
     (genrec.sparse_backward); no tower, no loss, no dense optimizer."""
     from genrec.models.build import unwrap
 
-    out, record = _start(out, steps, overwrite)
-    _, trainer, batches = _trainer(cfg, steps, out)
-    embeddings = unwrap(trainer.model).embeddings
-    lookups = 0
+    with _output(out, steps, overwrite) as (out, record):
+        _, trainer, batches = _trainer(cfg, steps, out)
+        embeddings = unwrap(trainer.model).embeddings
+        lookups = 0
 
-    def step(i: int) -> None:
-        nonlocal lookups
-        with record_function("genrec.data"):
-            batch, _, upcoming = batches.next()
-            if upcoming is not None and trainer.read_ahead:
-                embeddings.read_ahead([upcoming.history])
-        if batch.num_tokens:
-            trainer.store.set_event_time(int(batch.timestamps_T.max()))
-        with record_function("genrec.sparse_forward"):
-            rows = embeddings(batch.history)
-        loss = sum(0.5 * jt.values().square().sum() for jt in rows.values())
-        with record_function("genrec.sparse_backward"):
-            loss.backward()  # d loss / d row = the row: a real update of every row looked up
-        if i:
-            lookups += batch.history.values().numel()
+        def step(i: int) -> None:
+            nonlocal lookups
+            with record_function("genrec.data"):
+                batch, _, upcoming = batches.next()
+                if upcoming is not None and trainer.read_ahead:
+                    embeddings.read_ahead([upcoming.history])
+            if batch.num_tokens:
+                trainer.store.set_event_time(int(batch.timestamps_T.max()))
+            with record_function("genrec.sparse_forward"):
+                rows = embeddings(batch.history)
+            loss = sum(0.5 * jt.values().square().sum() for jt in rows.values())
+            with record_function("genrec.sparse_backward"):
+                loss.backward()  # d loss / d row = the row: a real update of every row looked up
+            if i:
+                lookups += batch.history.values().numel()
 
-    prof, step_seconds = _profiled(out, steps, step)
-    summary = _summarize(prof, steps, step_seconds, SPARSE_STAGES)
-    summary["lookups_per_s"] = lookups / sum(step_seconds)
-    return _write(out, "sparse", summary, record)
+        prof, step_seconds = _profiled(out, steps, step)
+        summary = _summarize(prof, steps, step_seconds, SPARSE_STAGES)
+        summary["lookups_per_s"] = lookups / sum(step_seconds)
+        return _write(out, "sparse", summary, record)
 
 
 def profile_serving(artifact: str | Path, data: str | Path, steps: int, out: str | Path,
@@ -182,20 +189,20 @@ def profile_serving(artifact: str | Path, data: str | Path, steps: int, out: str
     from genrec.models.serving.ranker import load_artifact
     from genrec.models.serving.requests import split_requests
 
-    out, record = _start(out, steps, overwrite)
-    ranker = load_artifact(artifact)
-    requests = split_requests(data, ranker.features, steps + 1)
-    if not requests:
-        raise ValueError(f"genrec profile serve: {data}/test holds no users")
-    k = min(k, ranker.max_k)
+    with _output(out, steps, overwrite) as (out, record):
+        ranker = load_artifact(artifact)
+        requests = split_requests(data, ranker.features, steps + 1)
+        if not requests:
+            raise ValueError(f"genrec profile serve: {data}/test holds no users")
+        k = min(k, ranker.max_k)
 
-    def step(i: int) -> None:
-        ranker.rank({**requests[i % len(requests)], "k": k, "n": min(10, k), "exclude_seen": True})
+        def step(i: int) -> None:
+            ranker.rank({**requests[i % len(requests)], "k": k, "n": min(10, k), "exclude_seen": True})
 
-    prof, step_seconds = _profiled(out, steps, step)
-    summary = _summarize(prof, steps, step_seconds, SERVE_STAGES)
-    summary["candidates_per_request"] = k
-    return _write(out, "serve", summary, record)
+        prof, step_seconds = _profiled(out, steps, step)
+        summary = _summarize(prof, steps, step_seconds, SERVE_STAGES)
+        summary["candidates_per_request"] = k
+        return _write(out, "serve", summary, record)
 
 
 def _summarize(prof, steps: int, step_seconds: list[float], stage_names: tuple[str, ...]) -> dict:

@@ -186,11 +186,17 @@ def check_run_dir(run_dir: Path) -> None:
                          "with its format in it): choose another train.out_dir, or move its files away yourself")
 
 
+def check_fresh(run_dir: Path) -> None:
+    """Refuse, removing nothing, unless `run_dir` is absent, empty or a genrec training run
+    (its `run.json`): what `start_fresh` may clear."""
+    claim_output_dir(run_dir, overwrite=True, manifest=RUN_MANIFEST, format=RUN_FORMAT, flag="--fresh")
+
+
 def start_fresh(run_dir: Path) -> None:
     """Remove a previous training run's outputs from `run_dir` (see `TRAINING_OUTPUTS`; other
-    files, e.g. a report written there, stay). Refused, removing nothing, unless `run_dir` is
-    absent, empty or a genrec training run (its `run.json`)."""
-    claim_output_dir(run_dir, overwrite=True, manifest=RUN_MANIFEST, format=RUN_FORMAT, flag="--fresh")
+    files, e.g. a report written there, stay). Refused, removing nothing, unless `check_fresh`
+    accepts `run_dir`."""
+    check_fresh(run_dir)
     # run.json stays (training writes it again): a crash mid-removal must leave a folder that
     # is still a run, which the next --fresh (or a plain start) accepts.
     present = [run_dir / name for name in TRAINING_OUTPUTS if name != RUN_MANIFEST and (run_dir / name).exists()]

@@ -46,7 +46,7 @@ from genrec.models.train.checkpoint import (
     CheckpointManager, capture_rng_state, fault_point, install_stop_signals, restore_rng_state,
 )
 from genrec.models.train.resume import (
-    apply_optim_settings, check_resume, check_run_dir, describe_changes, saved_form, start_fresh,
+    apply_optim_settings, check_fresh, check_resume, check_run_dir, describe_changes, saved_form, start_fresh,
 )
 from genrec.models.config import JobConfig
 from genrec.models.ranks import DistInfo, all_reduce_sum, any_rank
@@ -139,7 +139,7 @@ class Trainer:
             tc.optim = dataclasses.replace(tc.optim, warmup_steps=tc.max_steps)
         self.out_dir = Path(tc.out_dir)
         corpus = load_item_corpus(cfg.data.path)  # a wrong data.path is refused before the run dir is touched
-        self._claim_run_dir(fresh=fresh, resume=resume)
+        fresh = self._claim_run_dir(fresh=fresh, resume=resume)
         self._bind_cores()
         self.num_threads = tc.num_threads or default_threads()
         torch.set_num_threads(self.num_threads)
@@ -164,6 +164,8 @@ class Trainer:
             Path(cfg.data.path) / "train", cfg.data.features, cfg.data.loader,
             rank=dist_info.rank, world_size=dist_info.world_size,
         )
+        if fresh:  # the old run is cleared only now that the new one could be built
+            self._claim_run_dir(fresh=True, resume=False, clear=True)
         if dist_info.is_main:  # marked a run once it could be built: a refused start writes nothing
             atomic_write_json(self.out_dir / RUN_MANIFEST, {"format": RUN_FORMAT})
         self.checkpoints = CheckpointManager(
@@ -185,11 +187,12 @@ class Trainer:
         if dist_info.is_main:  # only settings in effect: a resume refused every other change
             atomic_write_text(self.out_dir / CONFIG_FILE, json.dumps(saved_form(cfg), indent=2))
 
-    def _claim_run_dir(self, *, fresh: bool, resume: bool) -> None:
-        """`fresh`: clear a previous training run here (rank 0; a restarted torchrun worker
-        resumes instead of clearing again). Otherwise, if there are checkpoints to resume
-        from, refuse what a resume cannot change and print the changes it applies; `resume`:
-        refuse when there are none. Nothing is written here but what `fresh` clears."""
+    def _claim_run_dir(self, *, fresh: bool, resume: bool, clear: bool = False) -> bool:
+        """`fresh`: check that a previous training run here may be cleared (`clear`: clear it,
+        rank 0, once the new run is built); returns False where a restarted torchrun worker
+        resumes instead. Otherwise, if there are checkpoints to resume from, refuse what a
+        resume cannot change and print the changes it applies; `resume`: refuse when there
+        are none. Nothing is written here but what `clear` clears."""
         main = self.dist.is_main
         if fresh and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             if main:
@@ -199,7 +202,7 @@ class Trainer:
         problem = None
         try:
             if fresh and main:
-                start_fresh(self.out_dir)
+                (start_fresh if clear else check_fresh)(self.out_dir)
             elif main:
                 check_run_dir(self.out_dir)
             if not fresh:
@@ -214,6 +217,7 @@ class Trainer:
         # Collective: no rank looks into the folder before rank 0 has cleared it, and all stop together.
         if any_rank(problem is not None):
             raise problem or ValueError(f"{self.out_dir}: rank 0 refused this run directory")
+        return fresh
 
     def _bind_cores(self) -> None:
         """`train.cpu_affinity`: each local rank on its own cores (CPU training only)."""

@@ -137,6 +137,22 @@ def test_a_refused_start_writes_nothing(prepared, finished, tmp_path):
     assert _files(run) == before
 
 
+def test_a_fresh_start_the_model_refuses_keeps_the_old_run(prepared, finished, tmp_path):
+    """`--fresh` with a config that passes the loader's checks but that building the model
+    refuses (here a ranking task the data has no label for): the old run's checkpoints and
+    best.json must stay, as for a wrong data.path (it cleared them, then refused)."""
+    from genrec.models.train.trainer import run_training
+
+    run = _copy(finished, tmp_path)
+    before = _files(run)
+    bad_model = tiny_config(prepared, run)
+    bad_model.model.ranking_tasks = ["click", "dwell"]
+    with pytest.raises(ValueError, match="dwell"):
+        run_training(bad_model, fresh=True)
+    assert _files(run) == before
+    assert len(run_training(tiny_config(prepared, run, max_steps=2, checkpoint_every=2), fresh=True)) == 2
+
+
 def test_eval_names_a_checkpoint_that_does_not_fit_the_run_config(finished, tmp_path):
     run = _copy(finished, tmp_path)
     config = json.loads((run / "config.json").read_text())

@@ -42,6 +42,26 @@ def test_profile_refuses_a_foreign_directory_and_replaces_its_own(prepared, tmp_
     assert json.loads((out / "summary.json").read_text())["steps"] == 1
 
 
+def test_a_refused_profile_keeps_the_earlier_one_and_writes_nothing(prepared, tmp_path):
+    """A wrong --artifact / --data / data.path is found only once the profile starts: the
+    earlier profile that --overwrite would replace must still be there, and a new --out is
+    not left behind empty (it was removed first, then the profile refused)."""
+    out = tmp_path / "profile"
+    profile_training(tiny_config(prepared, tmp_path / "unused"), steps=1, out=out)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with pytest.raises(FileNotFoundError, match="no artifact manifest"):
+        profile_serving(tmp_path / "no-artifact", prepared, steps=1, out=out, overwrite=True)
+    with pytest.raises(ValueError, match="nodata"):
+        profile_training(tiny_config(tmp_path / "nodata", tmp_path / "unused"), steps=1, out=out, overwrite=True)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile"]
+    with pytest.raises(FileNotFoundError, match="no artifact manifest"):
+        profile_serving(tmp_path / "no-artifact", prepared, steps=1, out=tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    profile_training(tiny_config(prepared, tmp_path / "unused"), steps=1, out=out, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile"]
+
+
 def _stages_timed(out, summary, stages):
     names = {e.get("name") for e in json.loads((out / "trace.json").read_text())["traceEvents"]}
     assert set(stages) <= names, set(stages) - names
