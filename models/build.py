@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from genrec.data.loader import make_loader
-from genrec.dense import build_tower, parallelize
+from genrec.dense import build_tower, parallelize, triton_hstu
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import to_dict
 from genrec.models.ranks import DistInfo
@@ -45,6 +45,21 @@ def build_store(cfg: JobConfig, dist_info: DistInfo) -> TieredEmbeddingCollectio
     process_group = dist.group.WORLD if dist_info.world_size > 1 else None
     sparse = cfg.sparse if cfg.sparse.device else dataclasses.replace(cfg.sparse, device=str(dist_info.device))
     return TieredEmbeddingCollection(sparse, process_group=process_group)
+
+
+def check_runnable(cfg: JobConfig, device: torch.device) -> None:
+    """Refuse, naming the key, device settings this machine cannot run: at train start, before
+    the run folder is touched (not at config load: eval and export read a GPU run's config
+    on the CPU)."""
+    if cfg.sparse.device and torch.device(cfg.sparse.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"sparse.device = {cfg.sparse.device!r}, but this machine has no CUDA device "
+                         "(torch.cuda.is_available() is False); leave it unset to follow the trainer's device")
+    if cfg.dense.kernel == "triton":
+        if not triton_hstu.available():
+            raise ValueError('dense.kernel = "triton" needs Triton: pip install -e ".[gpu]"')
+        if device.type != "cuda" and not triton_hstu.interpreted():
+            raise ValueError(f'dense.kernel = "triton" runs on CUDA, and this run is on {device} (on the CPU only '
+                             'under TRITON_INTERPRET=1, for tests); choose "chunked" or "auto"')
 
 
 def build_model(cfg: JobConfig, dist_info: DistInfo) -> tuple[nn.Module, TieredEmbeddingCollection]:

@@ -35,7 +35,7 @@ from genrec.data.files import atomic_write_json, atomic_write_text
 from genrec.data.loader import SequenceDataset, make_loader
 from genrec.data.prepare import load_manifest
 from genrec.models.build import (
-    build_model, config_fingerprint, dense_named_parameters, dense_state_dict, eval_loader, gathered,
+    build_model, check_runnable, config_fingerprint, dense_named_parameters, dense_state_dict, eval_loader, gathered,
     load_dense_state_dict, load_item_corpus, load_optimizer_state_dict, optimizer_state_dict,
 )
 from genrec.models.runs import (
@@ -138,6 +138,7 @@ class Trainer:
                       f"warming up over all {tc.max_steps} steps instead", file=sys.stderr, flush=True)
             tc.optim = dataclasses.replace(tc.optim, warmup_steps=tc.max_steps)
         self.out_dir = Path(tc.out_dir)
+        check_runnable(cfg, dist_info.device)
         corpus = load_item_corpus(cfg.data.path)  # a wrong data.path is refused before the run dir is touched
         fresh = self._claim_run_dir(fresh=fresh, resume=resume)
         self._bind_cores()

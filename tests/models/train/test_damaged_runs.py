@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from genrec.models.runs import CorruptCheckpoint, load_trained, resolve_checkpoint
 from train_helpers import tiny_config
@@ -130,6 +131,18 @@ def test_a_refused_start_writes_nothing(prepared, finished, tmp_path):
     with pytest.raises(ValueError, match="dwell"):
         run_training(bad_model)
     assert not (tmp_path / "new").exists()  # was left holding run.json
+    on_cpu = tiny_config(prepared, tmp_path / "new")
+    on_cpu.dense.kernel = "triton"  # CUDA only (the interpreter is for tests): a traceback after run.json
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(ValueError, match='dense.kernel = "triton"'):
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        run_training(on_cpu)
+    assert not (tmp_path / "new").exists()
+    if not torch.cuda.is_available():
+        no_gpu = tiny_config(prepared, tmp_path / "new")
+        no_gpu.sparse.device = "cuda"  # was torch's AssertionError, naming no key
+        with pytest.raises(ValueError, match="sparse.device = 'cuda'"):
+            run_training(no_gpu)
+        assert not (tmp_path / "new").exists()
     run = _copy(finished, tmp_path)
     before = _files(run)
     with pytest.raises(ValueError, match="nodata"):
