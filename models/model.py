@@ -355,8 +355,9 @@ class GenerativeRecommender(nn.Module):
         if corpus_rows_ND is not None and cfg.negatives == "full":
             neg_rows = corpus_rows_ND
         else:
-            # Shared negatives: every rank draws the same (one seed); per position: its own.
-            neg_rows = (self.item_rows(neg_ids, replicated=cfg.negatives == "shared") if neg_ids.numel()
+            # Shared negatives: every rank draws the same (one seed); per position: its own,
+            # none on a rank without positions, which still makes the lookup (a collective).
+            neg_rows = (self.item_rows(neg_ids, replicated=cfg.negatives == "shared") if cfg.negatives != "in_batch"
                         else states_TD.new_zeros(0, self.dim))
         if P == 0:
             return (neg_rows.sum() + states_TD.sum() + item_rows_TD.sum()) * 0.0
@@ -424,24 +425,33 @@ class GenerativeRecommender(nn.Module):
         use_candidates = self.cfg.ranking and batch.candidates is not None
         if self.cfg.contrastive_weight > 0 and self.training and not use_candidates:
             return self._forward_two_views(_without_candidates(batch))
-        # "full" negatives are the whole corpus, known before the tower runs: their rows come
-        # with the batch's.
-        corpus = self.item_corpus if self.cfg.retrieval and self.cfg.negatives == "full" else None
-        if corpus is not None and corpus.numel() == 0:
-            corpus = None  # retrieval_loss names the missing corpus
         states, cand_states, item_rows, corpus_rows = self._encode(
-            batch if use_candidates else _without_candidates(batch),
-            None if corpus is None else corpus.to(batch.history.values().device))
+            batch if use_candidates else _without_candidates(batch), self._softmax_corpus(batch))
         with record_function("genrec.loss"):
             return self._loss(batch, states, cand_states, item_rows, use_candidates, corpus_rows)
+
+    def _softmax_corpus(self, batch: Batch) -> torch.Tensor | None:
+        """The item ids of a "full" softmax (None otherwise): the whole corpus, known before the
+        tower runs, so its rows come with the batch's (one exchange of the sharded store)."""
+        corpus = self.item_corpus if self.cfg.retrieval and self.cfg.negatives == "full" else None
+        if corpus is None or corpus.numel() == 0:
+            return None  # retrieval_loss names a missing corpus
+        return corpus.to(batch.history.values().device)
 
     def _forward_two_views(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """`forward` under `model.contrastive_weight`: the tokens are looked up once and the
         tower runs twice (two dropout masks); the next-item loss reads the first view."""
-        tokens_TD, embedded = self._tokens(batch.history, self.features.sparse, "history")
+        # The corpus of a full softmax comes with the history's rows, as in `forward`, marked as
+        # the same on every rank (counted once, not once per rank, by the store's admission).
+        corpus = self._softmax_corpus(batch)
+        kjts = [batch.history] + ([] if corpus is None else [self._items_kjt(corpus)])
+        embedded = self._lookup(kjts, [False] + [True] * (len(kjts) - 1))
+        corpus_rows = None if corpus is None else embedded[1][self.features.item].values()
+        tokens_TD = self._combine(embedded[0], self.features.sparse, "history")
         states, states2 = self._history_states(batch, tokens_TD), self._history_states(batch, tokens_TD)
         with record_function("genrec.loss"):
-            loss, parts = self._loss(batch, states, None, embedded[self.features.item].values(), False)
+            loss, parts = self._loss(batch, states, None, embedded[0][self.features.item].values(), False,
+                                     corpus_rows)
             cl = self.contrastive_loss(batch, states, states2)
         parts["contrastive_loss"] = float(cl.detach())
         return loss + self.cfg.contrastive_weight * cl, parts

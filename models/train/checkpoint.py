@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from genrec.data.files import fsync_path, sha256_file
+from genrec.models.ranks import any_rank
 from genrec.models.runs import (
     DENSE_FILE, FORMAT_VERSION, MARKER, RANK_STATE_FILE, TMP_PREFIX, check_fingerprint, check_marker,
     complete_steps, latest_checkpoint, plain_json, rank_dir_name, shared_dir, step_dir_name, verify_file,
@@ -215,9 +216,24 @@ class CheckpointManager:
         manifest: dict[str, dict[str, object]] = {}
         failure: OSError | None = None
         try:
-            self._write_files(tmp, step, dense_state, rank_state, write_extra, write_shared, manifest)
+            self._write_files(tmp, step, dense_state, rank_state, write_extra, manifest)
         except OSError as e:  # e.g. a full disk: every rank must learn it at the gather below
             failure = e
+        if write_shared is not None:
+            # write_shared holds collectives of its own (the sparse snapshot's): every rank
+            # calls it, or none does when any rank's own files failed (rank 0's dense.pt).
+            # The agreement doubles as the barrier: the folder exists before anyone writes there.
+            shared = shared_dir(tmp)
+            if failure is None:
+                try:
+                    shared.mkdir(exist_ok=True)
+                except OSError as e:
+                    failure = e
+            if not any_rank(failure is not None):
+                try:
+                    self._write_shared(tmp, step, shared, write_shared, manifest)
+                except OSError as e:
+                    failure = e
 
         # The gather doubles as the barrier: no rank reports until its files are durable.
         mine = {"files": manifest, "error": None if failure is None else (failure.errno, str(failure))}
@@ -242,10 +258,10 @@ class CheckpointManager:
             dist.barrier()  # nobody returns before the checkpoint is visible
         return final
 
-    def _write_files(self, tmp: Path, step: int, dense_state, rank_state, write_extra, write_shared,
+    def _write_files(self, tmp: Path, step: int, dense_state, rank_state, write_extra,
                      manifest: dict[str, dict[str, object]]) -> None:
-        """This rank's files of checkpoint `step` into `tmp`, fsynced; their sizes and sha256
-        into `manifest`."""
+        """This rank's own files of checkpoint `step` into `tmp`, fsynced; their sizes and
+        sha256 into `manifest`."""
         if self.rank == 0:
             _torch_save(dense_state, tmp / DENSE_FILE)
             fault_point("save-dense", step)
@@ -256,17 +272,21 @@ class CheckpointManager:
             write_extra(rank_dir / "extra")
         mine = [tmp / DENSE_FILE] if self.rank == 0 else []
         mine += sorted(p for p in rank_dir.rglob("*") if p.is_file())
-        if write_shared is not None:
-            shared = shared_dir(tmp)
-            shared.mkdir(exist_ok=True)
-            if _dist_on():
-                dist.barrier()  # the folder exists before any rank writes into it
-            for f in write_shared(shared):
-                f = Path(f)
-                if not f.is_file() or shared.resolve() not in f.resolve().parents:
-                    raise ValueError(f"write_shared reported {f}, which is not a file under {shared}")
-                mine.append(f)
-            fault_point("save-shared", step)
+        self._checksum(tmp, mine, manifest)
+
+    def _write_shared(self, tmp: Path, step: int, shared: Path, write_shared, manifest) -> None:
+        """The files this rank writes into the checkpoint's `shared/` dir (collective)."""
+        mine = []
+        for f in write_shared(shared):
+            f = Path(f)
+            if not f.is_file() or shared.resolve() not in f.resolve().parents:
+                raise ValueError(f"write_shared reported {f}, which is not a file under {shared}")
+            mine.append(f)
+        fault_point("save-shared", step)
+        self._checksum(tmp, mine, manifest)
+
+    @staticmethod
+    def _checksum(tmp: Path, mine: list[Path], manifest: dict[str, dict[str, object]]) -> None:
         # Checksums are computed by the rank that wrote the files, in parallel.
         for p in mine:
             fsync_path(p)  # extra files were written by other code, maybe without fsync

@@ -5,6 +5,7 @@ import builtins
 import errno
 import io
 import os
+import socket
 from pathlib import Path
 
 from genrec.models.config import JobConfig
@@ -70,3 +71,10 @@ class _FillingFile(io.FileIO):
             self.disk.written += super().write(data[:room])
         self.disk.failed_on = str(self.name)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.name))
+
+
+def free_port() -> int:
+    """A loopback port free now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -4,11 +4,11 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from train_helpers import FullDisk
+from train_helpers import FullDisk, free_port
 
 from genrec.models.train import checkpoint as checkpoint_module
 from genrec.models.train.checkpoint import (
@@ -299,12 +299,6 @@ def test_stop_signals(tmp_path: Path) -> None:
         stop.restore()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_rank_worker(rank: int, root: str, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -365,7 +359,7 @@ def test_ranks_agree_on_a_stop_at_the_same_step_without_polling_every_step(tmp_p
     """Only rank 1 is signalled; both ranks see the stop at the same call, within about
     POLL_SECONDS of steps of the slowest rank (here ~12 of 4 ms), having polled (one
     all-reduce each) at a fraction of the calls."""
-    _join(mp.spawn(_stop_poll_worker, args=(str(tmp_path / "r"), _free_port()), nprocs=2, join=False), "stop poll")
+    _join(mp.spawn(_stop_poll_worker, args=(str(tmp_path / "r"), free_port()), nprocs=2, join=False), "stop poll")
     r0, r1 = (json.loads((tmp_path / f"r-{rank}.json").read_text()) for rank in (0, 1))
     assert r0 == r1, (r0, r1)
     assert 60 <= r0["seen"] <= 60 + 40 and r0["polls"] < r0["seen"] / 3, r0
@@ -373,7 +367,7 @@ def test_ranks_agree_on_a_stop_at_the_same_step_without_polling_every_step(tmp_p
 
 def test_two_rank_gloo_save_and_load(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    _join(mp.spawn(_two_rank_worker, args=(str(root), _free_port()), nprocs=2, join=False), "2-rank checkpoint")
+    _join(mp.spawn(_two_rank_worker, args=(str(root), free_port()), nprocs=2, join=False), "2-rank checkpoint")
     for rank in (0, 1):
         r = json.loads((tmp_path / f"result-{rank}.json").read_text())
         assert r == {"path": "step-00000006", "w": [6.0] * 4, "rank": rank, "step": 6, "stopped": True}
@@ -387,3 +381,46 @@ def test_two_rank_gloo_save_and_load(tmp_path: Path) -> None:
         "rank-00000-of-00002/state.pt", "rank-00000-of-00002/extra/rows-0.bin",
         "rank-00001-of-00002/state.pt", "rank-00001-of-00002/extra/rows-1.bin",
     }
+
+
+def _disk_full_worker(rank: int, root: str, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30))
+    try:
+        mgr = CheckpointManager(root, keep_last=2, rank=rank, world_size=2)
+
+        def shared(d: Path) -> list[str]:  # collective, as the sparse store's snapshot is
+            dist.barrier()
+            (d / f"part-{rank}.bin").write_bytes(bytes([rank]) * 64)
+            dist.barrier()
+            return [str(d / f"part-{rank}.bin")]
+
+        def save(step: int) -> Path:
+            return mgr.save(step, dense_state={"w": torch.full((4096,), float(step))} if rank == 0 else None,
+                            rank_state={"step": step}, write_shared=shared, config_fingerprint=FP)
+
+        save(1)
+        if rank == 0:  # only rank 0 writes dense.pt, and its disk fills up in it
+            checkpoint_module.open = FullDisk(budget=1000, match="dense.pt")
+        try:
+            save(2)
+            outcome = "saved"
+        except CheckpointWriteError as e:
+            outcome = "disk full" if "disk is full" in str(e) else str(e)
+        if rank == 0:
+            del checkpoint_module.open
+        path = save(3)  # with space again
+        (Path(root).parent / f"full-{rank}.json").write_text(json.dumps({"outcome": outcome, "then": path.name}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_disk_full_on_rank_0_only_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    """The shared writer's collectives must not wait for a rank whose own files already
+    failed: every rank raises CheckpointWriteError, none times out in a collective."""
+    root = tmp_path / "ckpt"
+    _join(mp.spawn(_disk_full_worker, args=(str(root), free_port()), nprocs=2, join=False), "disk full", 120)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"full-{rank}.json").read_text()) == {"outcome": "disk full",
+                                                                           "then": "step-00000003"}
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000003"]

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from genrec.data.batch import Batch
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import from_dict, to_dict
-from train_helpers import FullDisk, tiny_config
+from train_helpers import FullDisk, free_port, tiny_config
 
 GOLDEN = Path(__file__).parents[2] / "assets" / "golden_losses.json"
 
@@ -157,12 +156,6 @@ def test_bad_resume_and_incompatible_checkpoint(prepared, tmp_path):
 # ---- 2 gloo ranks ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _take_rows(batch: Batch, rows: slice) -> Batch:
     """Rows `rows` of a batch (every user keeps its history, candidates and labels)."""
 
@@ -266,7 +259,7 @@ def _trim_to_shortest(batch: Batch) -> Batch:
 
 
 def _spawn(fn, world_size: int, *args) -> None:
-    mp.start_processes(fn, args=(world_size, _free_port(), *args), nprocs=world_size, join=True, start_method="spawn")
+    mp.start_processes(fn, args=(world_size, free_port(), *args), nprocs=world_size, join=True, start_method="spawn")
 
 
 @pytest.mark.parametrize("negatives,admit_min_count,ttl", [
