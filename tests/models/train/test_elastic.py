@@ -18,8 +18,8 @@ import pytest
 
 from genrec.models.config import JobConfig
 from genrec.models.config_loader import to_dict
-from test_train import _free_port, _run_training, _spawn
-from train_helpers import tiny_config
+from test_train import _run_training, _spawn
+from train_helpers import free_port, tiny_config
 
 
 def _train(world_size: int, cfg: JobConfig) -> None:
@@ -114,10 +114,10 @@ def test_two_launchers_on_loopback_train_like_one_node(prepared, tmp_path):
     script.write_text(_LAUNCHED)
     single = _torchrun(script, tiny_config(prepared, tmp_path / "one", max_steps=4, num_threads=1),
                        tmp_path / "one.json", "--nnodes", "1", "--nproc-per-node", "2",
-                       "--master-port", str(_free_port()))
+                       "--master-port", str(free_port()))
     out = single.communicate(timeout=300)[0]
     assert single.returncode == 0, out
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     cfg = tiny_config(prepared, tmp_path / "two", max_steps=4, num_threads=1)
     nodes = [_torchrun(script, cfg, tmp_path / "two.json", "--nnodes", "2", "--nproc-per-node", "1",
                        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "genrec-test")
@@ -157,7 +157,7 @@ def test_a_lost_node_leaves_the_other_to_resume_the_job_on_one_rank(prepared, tm
     script.write_text(_LAUNCHED)
     run, steps = tmp_path / "run", 400
     cfg = tiny_config(prepared, run, max_steps=steps, checkpoint_every=10, eval_every=0, num_threads=1)
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     rdzv = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
     launcher = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", endpoint, "--rdzv-id", "genrec-node-loss"]
