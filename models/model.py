@@ -248,10 +248,6 @@ class GenerativeRecommender(nn.Module):
             return torch.stack(parts).sum(0)
         return self.project[which](torch.cat(parts, dim=-1))
 
-    def _tokens(self, kjt: KeyedJaggedTensor, keys: list[str], which: str) -> tuple[torch.Tensor, dict]:
-        embedded = self._lookup([kjt])[0]
-        return self._combine(embedded, keys, which), embedded
-
     def _candidate_kjt(self, candidates: KeyedJaggedTensor) -> KeyedJaggedTensor:
         return KeyedJaggedTensor.from_jt_dict({k: candidates[k] for k in self.candidate_features})
 
@@ -290,17 +286,23 @@ class GenerativeRecommender(nn.Module):
         retrieval head's positives)."""
         return self._encode(batch)[:3]
 
-    def _encode(self, batch: Batch, extra_item_ids: torch.Tensor | None = None):
-        """`encode`, and the rows [N, D] of `extra_item_ids` (None without), looked up with the
-        batch's: one exchange of the sharded store instead of two (each is a few all-to-alls,
-        about a millisecond apiece between two CPU ranks)."""
+    def _embed(self, batch: Batch, extra_item_ids: torch.Tensor | None = None):
+        """The batch's rows (history, then candidates, if any), its history tokens [T, D] and
+        item rows [T, D], and the rows [N, D] of `extra_item_ids` (None without), looked up
+        with the batch's: one exchange of the sharded store instead of two (each is a few
+        all-to-alls, about a millisecond apiece between two CPU ranks)."""
         kjts = [batch.history] + ([] if batch.candidates is None else [self._candidate_kjt(batch.candidates)])
         if extra_item_ids is not None:  # the corpus of a full softmax: the same on every rank
             kjts.append(self._items_kjt(extra_item_ids))
         embedded = self._lookup(kjts, [False] * (len(kjts) - 1) + [extra_item_ids is not None])
         extra_ND = None if extra_item_ids is None else embedded[-1][self.features.item].values()
         tokens_TD = self._combine(embedded[0], self.features.sparse, "history")
-        item_rows_TD = embedded[0][self.features.item].values()
+        return embedded, tokens_TD, embedded[0][self.features.item].values(), extra_ND
+
+    def _encode(self, batch: Batch, extra_item_ids: torch.Tensor | None = None):
+        """`encode`, and the rows [N, D] of `extra_item_ids` (None without), looked up with the
+        batch's (`_embed`)."""
+        embedded, tokens_TD, item_rows_TD, extra_ND = self._embed(batch, extra_item_ids)
         lengths_B = batch.history_lengths_B
         if batch.candidates is None:
             return self._history_states(batch, tokens_TD), None, item_rows_TD, extra_ND
@@ -443,15 +445,10 @@ class GenerativeRecommender(nn.Module):
         tower runs twice (two dropout masks); the next-item loss reads the first view."""
         # The corpus of a full softmax comes with the history's rows, as in `forward`, marked as
         # the same on every rank (counted once, not once per rank, by the store's admission).
-        corpus = self._softmax_corpus(batch)
-        kjts = [batch.history] + ([] if corpus is None else [self._items_kjt(corpus)])
-        embedded = self._lookup(kjts, [False] + [True] * (len(kjts) - 1))
-        corpus_rows = None if corpus is None else embedded[1][self.features.item].values()
-        tokens_TD = self._combine(embedded[0], self.features.sparse, "history")
+        _, tokens_TD, item_rows_TD, corpus_rows = self._embed(batch, self._softmax_corpus(batch))
         states, states2 = self._history_states(batch, tokens_TD), self._history_states(batch, tokens_TD)
         with record_function("genrec.loss"):
-            loss, parts = self._loss(batch, states, None, embedded[0][self.features.item].values(), False,
-                                     corpus_rows)
+            loss, parts = self._loss(batch, states, None, item_rows_TD, False, corpus_rows)
             cl = self.contrastive_loss(batch, states, states2)
         parts["contrastive_loss"] = float(cl.detach())
         return loss + self.cfg.contrastive_weight * cl, parts
