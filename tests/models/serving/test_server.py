@@ -326,9 +326,15 @@ def test_a_lone_request_does_not_wait_for_a_batch(artifacts):
         for _ in range(3):
             t0 = time.perf_counter()
             c.post("/v1/rank", json=req).raise_for_status()
-            assert time.perf_counter() - t0 < 1.0
+            assert time.perf_counter() - t0 < 1.5  # well under the 2 s wait, with room for a busy machine
         sum0, count0 = _batch_totals(c)
-        threads = [threading.Thread(target=lambda: httpx.post(f"{url}/v1/rank", json=req, timeout=60)) for _ in range(6)]
+        start = threading.Barrier(6, timeout=30)  # the burst leaves together, not as the threads get a core
+
+        def post():
+            start.wait()
+            httpx.post(f"{url}/v1/rank", json=req, timeout=60)
+
+        threads = [threading.Thread(target=post) for _ in range(6)]
         for t in threads:
             t.start()
         for t in threads:
