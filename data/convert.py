@@ -3,8 +3,13 @@
 
 Sources and what each line becomes:
 
-    movielens   u.data       "196\\t242\\t3\\t881250949"   -> user_id 196, item_id 242, action 3 (the rating), ts 881250949
-                ratings.dat  "1::1193::5::978300760"     -> same columns (format picked per file by "::")
+    movielens   u.data       "196\\t242\\t3\\t881250949"   -> user_id 196, item_id 242, action 6, ts 881250949
+                ratings.dat  "1::185::4.5::838983525"    -> user_id 1, item_id 185, action 9, ts 838983525
+                ratings.csv  "1,29,3.5,1112484676"       -> same columns (its header line is skipped)
+                (ML-100K u.data; ML-1M / ML-10M ratings.dat; ML-20M / ML-25M ratings.csv; the
+                format is picked per file from its first line). action = the rating in half
+                stars (rating x 2: ML-10M and later rate in half stars, and one scale for every
+                version keeps a threshold such as model.min_target_action meaning the same).
     sasrec-txt  "1 42"  (one interaction per line; SASRec / BERT4Rec files)
                 -> user_id 1, item_id 42, action 1; order of lines = time order within a user
     s3rec-txt   "1 42 7 9"  (one user per line, items in time order; S3-Rec files)
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -60,6 +66,10 @@ CRITEO_CAT_COLUMNS = [f"C{i}" for i in range(1, 27)]
 CRITEO_COLUMNS = ["label", *CRITEO_INT_COLUMNS, *CRITEO_CAT_COLUMNS]
 CRITEO_MISSING_ID = 1 << 32
 _INT64_MAX = (1 << 63) - 1
+MOVIELENS_CSV_HEADER = "userId,movieId,rating,timestamp"
+# Strict forms: int() and float() also take "1_000", "nan", "inf" and non-ASCII digits.
+_MOVIELENS_RATING = re.compile(r"[0-9]+(\.[0-9]+)?")
+_MOVIELENS_TS = re.compile(r"-?[0-9]+")
 
 
 class PositionTimestampWarning(UserWarning):
@@ -91,6 +101,13 @@ def convert(source: Literal["movielens", "sasrec-txt", "s3rec-txt", "criteo"], i
             raise ValueError(f"convert: input file {path} does not exist (or is not a file)")
         if path.stat().st_size == 0:
             raise ValueError(f"convert: input file {path} is empty")
+    # Every input is read, so one file given twice would hold each of its events twice
+    # (prepare reads a file named twice once).
+    seen: dict[Path, Path] = {}
+    for path in paths:
+        first = seen.setdefault(path.resolve(), path)
+        if first is not path:
+            raise ValueError(f"convert: input file {path} is given twice (also as {first}): its events would be read twice")
     if source == "criteo":
         for name, col in (("criteo_user_column", criteo_user_column), ("criteo_item_column", criteo_item_column)):
             if col is not None and col not in CRITEO_COLUMNS[1:]:
@@ -128,6 +145,8 @@ def convert(source: Literal["movielens", "sasrec-txt", "s3rec-txt", "criteo"], i
             "timestamps": timestamps,
             "warnings": notes,
         }
+        if source == "movielens":
+            manifest["movielens"] = {"action": "rating x 2 (half stars: 3.5 -> 7)"}
         if source == "criteo":
             manifest["criteo"] = {"user_key": criteo_user_column or "row position",
                                   "item_key": criteo_item_column, "missing_categorical_id": CRITEO_MISSING_ID,
@@ -250,18 +269,22 @@ def _parse_movielens(path: Path) -> Iterator[Row]:
     sep = None
     for number, line in _lines(path):
         if sep is None:
-            sep = "::" if "::" in line else "\t"
-        fields = line.split(sep) if sep == "::" else line.split()
+            if line == MOVIELENS_CSV_HEADER:
+                sep = ","
+                continue
+            sep = "::" if "::" in line else "," if "," in line else "\t"
+        fields = line.split() if sep == "\t" else line.split(sep)
         if len(fields) != 4:
             raise _malformed(path, number, line, f"expected 4 fields (user item rating ts) separated by {sep!r}, got {len(fields)}")
-        try:
-            rating = int(fields[2])
-            ts = int(fields[3])
-        except ValueError:
-            raise _malformed(path, number, line, "rating and timestamp must be integers") from None
-        if not (-_INT64_MAX - 1 <= rating <= _INT64_MAX and -_INT64_MAX - 1 <= ts <= _INT64_MAX):
+        rating, ts = fields[2], fields[3]
+        if not (_MOVIELENS_RATING.fullmatch(rating) and _MOVIELENS_TS.fullmatch(ts)):
+            raise _malformed(path, number, line, "rating must be a number of stars (3, 3.5) and timestamp an integer")
+        half_stars = float(rating) * 2
+        if not half_stars.is_integer():
+            raise _malformed(path, number, line, f"rating {rating} is not a whole or half star")
+        if not (half_stars <= _INT64_MAX and -_INT64_MAX - 1 <= int(ts) <= _INT64_MAX):
             raise _malformed(path, number, line, "rating and timestamp must fit int64")
-        yield _id(fields[0]), _id(fields[1]), rating, ts
+        yield _id(fields[0]), _id(fields[1]), int(half_stars), int(ts)
 
 
 def _parse_sasrec(path: Path) -> Iterator[Row]:

@@ -248,22 +248,37 @@ def prepare_converted(
 
     The settings and `out_dir` are checked before converting. If `prepare` then fails, the
     `.logs` folder this call made is removed, so that the corrected command is not refused
-    over it; one that held a log before the call is left to its owner.
+    over it; one that held a log before the call is left to its owner. A `.logs` folder that
+    holds the conversion of the same `source` and `inputs` (left by a run killed before it
+    could clean up) is converted again in place, without `overwrite`.
     """
-    from genrec.data.convert import convert
+    from genrec.data.convert import MANIFEST_NAME, convert
 
     settings = dict(memory_budget_mb=memory_budget_mb, num_shards=num_shards, row_group_users=row_group_users)
     check_settings(features, split, **settings)
     out = claim_output_dir(out_dir, overwrite=overwrite, manifest=MANIFEST, format=FORMAT_VERSION)
     logs = out.with_name(out.name + ".logs")
     made_logs = not logs.exists() or (logs.is_dir() and not any(logs.iterdir()))
-    convert(source, inputs, logs, overwrite=overwrite, progress=progress)
+    # A run killed after converting leaves its log, and then the same command was refused
+    # over it until given --overwrite. Converting the same inputs again gives the same log.
+    again = not made_logs and _same_conversion(logs / MANIFEST_NAME, source, inputs)
+    convert(source, inputs, logs, overwrite=overwrite or again, progress=progress)
     try:
         return prepare(logs, out, features, split, overwrite=overwrite, progress=progress, **settings)
     except BaseException:
         if made_logs:
             shutil.rmtree(logs, ignore_errors=True)
         raise
+
+
+def _same_conversion(manifest_path: Path, source: str, inputs: list[str | os.PathLike]) -> bool:
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(manifest, dict) and manifest.get("kind") == "genrec-convert"
+            and manifest.get("source") == source
+            and manifest.get("inputs") == [str(Path(p).resolve()) for p in inputs])
 
 
 # ----------------------------------------------------------------------------------------
@@ -340,11 +355,13 @@ def _bucket_of(users: np.ndarray, num_buckets: int) -> np.ndarray:
 
 
 def _pass1_spill(logs, features, columns, rec_dtype, spill_dir, num_buckets, total_rows, progress):
-    key_columns = {features.user_key: "user key", features.timestamp: "timestamp", features.item: "item"}
+    roles = {**{s: "sparse feature" for s in features.sparse}, **{lab: "label" for lab in features.labels},
+             features.user_key: "user key", features.timestamp: "timestamp", features.item: "item"}
     handles = [open(spill_dir / f"bucket-{b:05d}.bin", "wb") for b in range(num_buckets)]
     bar = tqdm(total=total_rows, unit="ev", desc="prepare: spill", file=sys.stderr, disable=not progress)
     try:
         for log in logs:
+            row = 0  # of the file, 0-based: where this batch starts
             for rg, batches in row_groups(log, list(dict.fromkeys(columns)), _PASS1_BATCH_ROWS):
                 for batch in batches:
                     rec = np.empty(batch.num_rows, dtype=rec_dtype)
@@ -352,10 +369,14 @@ def _pass1_spill(logs, features, columns, rec_dtype, spill_dir, num_buckets, tot
                         arr = batch.column(name)
                         if pa.types.is_dictionary(arr.type):
                             arr = arr.dictionary_decode()
-                        if arr.null_count and name in key_columns:
+                        if arr.null_count:
+                            # No null has a meaning: read as 0 it would be a real id, or a
+                            # "not clicked" label, and change the data without a word.
+                            first = row + int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
                             raise ValueError(
-                                f"{log.path}: column {name!r} ({key_columns[name]}) has "
-                                f"{arr.null_count} nulls in row group {rg}"
+                                f"{log.path}: column {name!r} ({roles[name]}) has {arr.null_count} nulls in row "
+                                f"group {rg}, the first in row {first} of the file (0-based): drop those rows or "
+                                "give the missing values a value of their own"
                             )
                         if log.is_string[name]:
                             arr = hash_string_ids(arr)
@@ -366,9 +387,6 @@ def _pass1_spill(logs, features, columns, rec_dtype, spill_dir, num_buckets, tot
                             if top is not None and top > np.iinfo(np.int64).max:
                                 raise ValueError(f"{log.path}: column {name!r} has value {top} in row group {rg}, "
                                                  "above 2^63 - 1 (ids and times are kept as int64)")
-                        if arr.null_count:
-                            # Missing optional ids / labels read as 0 ("absent").
-                            arr = pc.fill_null(arr, 0)
                         values = arr.to_numpy(zero_copy_only=False)
                         low = values.min() if values.size and (slot == "u" or slot.startswith("s")) else 0
                         if low < 0:
@@ -390,6 +408,7 @@ def _pass1_spill(logs, features, columns, rec_dtype, spill_dir, num_buckets, tot
                     for b in np.flatnonzero(np.diff(bounds)):
                         rec[bounds[b] : bounds[b + 1]].tofile(handles[b])
                     bar.update(batch.num_rows)
+                    row += batch.num_rows
     finally:
         bar.close()
         for h in handles:

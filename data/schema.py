@@ -5,7 +5,8 @@ An event log is one or more parquet files, one row per event:
     user_id   int64 | string   the user key
     ts        int64            unix seconds of the event
     item_id   int64 | string   the ad / creative (or movie, product, ...)
-    action    int64            0 impression, 1 click, 2 conversion; or a rating (1..5)
+    action    int64            0 impression, 1 click, 2 conversion; or a rating (MovieLens: in half
+                               stars, 1..10)
     <sparse>  int64 | string   any number of declared id features (advertiser_id, campaign_id, ...)
     <label>   int8 / int64     any number of declared 0/1 label columns (click, conversion, ...)
 

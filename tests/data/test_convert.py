@@ -46,9 +46,9 @@ def test_movielens_100k_counts_and_values(tmp_path):
     assert len(summary["files"]) == 4  # 30k + 30k + 30k + 10k
     ts = t.column("ts").to_numpy()
     assert (ts.min(), ts.max()) == (874724710, 893286638)
-    assert set(np.unique(t.column("action").to_numpy())) == {1, 2, 3, 4, 5}
+    assert set(np.unique(t.column("action").to_numpy())) == {2, 4, 6, 8, 10}  # half stars
     # Row order is the file's: the first line of u.data is "196 242 3 881250949".
-    assert t.slice(0, 1).to_pylist()[0] == {"user_id": 196, "ts": 881250949, "item_id": 242, "action": 3}
+    assert t.slice(0, 1).to_pylist()[0] == {"user_id": 196, "ts": 881250949, "item_id": 242, "action": 6}
     manifest = json.loads((tmp_path / "ml" / MANIFEST_NAME).read_text())
     assert manifest["complete"] and manifest["num_events"] == 100_000
 
@@ -63,8 +63,23 @@ def test_movielens_ratings_dat_and_gzip(tmp_path):
     assert a["num_events"] == b["num_events"] == 3 and a["num_users"] == 2 and a["num_items"] == 2
     ta, tb = _read(tmp_path / "a"), _read(tmp_path / "b")
     assert ta.equals(tb)
-    assert ta.column("action").to_pylist() == [5, 3, 4]
+    assert ta.column("action").to_pylist() == [10, 6, 8]
     assert ta.column("ts").to_pylist() == [978300760, 978302109, 978298413]
+
+
+def test_movielens_10m_and_20m_half_star_ratings(tmp_path):
+    # ML-10M: ratings.dat with "::" and half stars; ML-20M / 25M: ratings.csv with a header.
+    dat = _write(tmp_path / "ratings.dat", "1::122::5::838985046\n1::185::4.5::838983525\n2::122::0.5::838984000\n")
+    csv = _write(tmp_path / "ratings.csv", "userId,movieId,rating,timestamp\n1,2,3.5,1112486027\n"
+                                           "1,29,3.5,1112484676\n2,2,4.0,1112484819\n")
+    a = convert("movielens", [dat], tmp_path / "a", progress=False)
+    b = convert("movielens", [csv], tmp_path / "b", progress=False)
+    ta, tb = _read(tmp_path / "a"), _read(tmp_path / "b")
+    assert ta.column("action").to_pylist() == [10, 9, 1]
+    assert tb.to_pylist() == [{"user_id": 1, "ts": 1112486027, "item_id": 2, "action": 7},
+                              {"user_id": 1, "ts": 1112484676, "item_id": 29, "action": 7},
+                              {"user_id": 2, "ts": 1112484819, "item_id": 2, "action": 8}]
+    assert a["movielens"]["action"].startswith("rating x 2") and (a["num_events"], b["num_events"]) == (3, 3)
 
 
 @pytest.mark.skipif(not BEAUTY.exists(), reason="shared Amazon Beauty missing")
@@ -145,8 +160,11 @@ def _write(path: Path, text: str) -> Path:
 
 @pytest.mark.parametrize("source, text, match", [
     ("movielens", "1\t2\t3\t4\n5\t6\t7\n", r"malformed line 2 in .*bad\.txt.*expected 4 fields"),
-    ("movielens", "1::2::3::4\n1::2::x::4\n", r"malformed line 2 .*integers"),
-    ("movielens", "1\t2\t3.5\t4\n", r"malformed line 1 .*integers"),
+    ("movielens", "1::2::3::4\n1::2::x::4\n", r"malformed line 2 .*number of stars"),
+    ("movielens", "1\t2\t3.25\t4\n", r"malformed line 1 .*3\.25 is not a whole or half star"),
+    ("movielens", "1,2,nan,4\n", r"malformed line 1 .*number of stars"),
+    ("movielens", "1,2,3,1_000\n", r"malformed line 1 .*timestamp an integer"),
+    ("movielens", "userId,movieId,rating,timestamp\n1,2,3\n", r"malformed line 2 .*separated by ','"),
     ("movielens", "1\t2\t3\t4\n1\t2\t3\t9223372036854775808\n", r"malformed line 2 .*fit int64"),
     ("sasrec-txt", "1 2\n1 2 3\n", r"malformed line 2 in .*bad\.txt.*expected 2 fields"),
     ("s3rec-txt", "1 2 3\n\n7\n", r"malformed line 3 in .*bad\.txt.*at least one item"),
@@ -188,6 +206,8 @@ def test_missing_and_empty_inputs(tmp_path):
     # A bad second file leaves no output even though the first one converted.
     with pytest.raises(ValueError, match=r"blank\.txt has no events"):
         convert("sasrec-txt", [good, blank], tmp_path / "out", progress=False)
+    with pytest.raises(ValueError, match=r"good\.txt is given twice \(also as .*good\.txt\)"):
+        convert("sasrec-txt", [good, tmp_path / "." / "good.txt"], tmp_path / "out", progress=False)
     with pytest.raises(ValueError, match="no input files"):
         convert("sasrec-txt", [], tmp_path / "out", progress=False)
     with pytest.raises(ValueError, match="unknown source 'parquet'"):

@@ -247,6 +247,11 @@ BAD_TABLES = {
     "null user": (lambda t: _null_at(t, "user_id", 150), "'user_id'.*nulls in row group 1"),
     "null item": (lambda t: _null_at(t, "item_id", 3), "'item_id'.*nulls in row group 0"),
     "null ts": (lambda t: _null_at(t, "ts", 199), "'ts'.*nulls in row group 1"),
+    # Nulls in a label or an optional id were read as 0: a "not clicked", or a real id 0.
+    "null label": (lambda t: _null_at(t, "click", 150),
+                   r"column 'click' \(label\) has 1 nulls in row group 1, the first in row 150 of the file"),
+    "null sparse id": (lambda t: _null_at(t, "advertiser_id", 7),
+                       r"column 'advertiser_id' \(sparse feature\) has 1 nulls in row group 0, the first in row 7"),
     "label out of 0/1": (lambda t: _with(t, "click", pa.array([2] * t.num_rows, pa.int8())), "'click'.*0/1"),
     "empty file": (lambda t: t.slice(0, 0), "empty file"),
     # uint64 above 2^63 - 1 used to wrap to a negative int64: the latest event sorted first.
@@ -472,6 +477,28 @@ def test_a_failed_prepare_from_keeps_a_log_it_did_not_make(tmp_path):
                           progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ml.logs", "u.data"]
     assert (tmp_path / "ml.logs" / "convert_manifest.json").is_file()
+
+
+def test_a_killed_prepare_from_is_rerun_by_the_same_command(tmp_path):
+    """A run killed after converting (no cleanup) leaves `.logs` and no output: the same
+    command was refused over that log until given --overwrite."""
+    raw = tmp_path / "u.data"
+    raw.write_text(ML_TEXT)
+    convert("movielens", [raw], tmp_path / "ml.logs", progress=False)  # what the killed run left
+    manifest = prepare_converted("movielens", [raw], tmp_path / "ml", ML_FEATURES, SplitConfig(), progress=False)
+    assert manifest["counts"]["users"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ml", "ml.logs", "u.data"]
+    # A log of other inputs, or with a file of the user's in it, is still refused.
+    other = tmp_path / "other.data"
+    other.write_text(ML_TEXT)
+    convert("movielens", [other], tmp_path / "ml2.logs", progress=False)
+    with pytest.raises(ValueError, match=r"ml2\.logs exists and is not empty"):
+        prepare_converted("movielens", [raw], tmp_path / "ml2", ML_FEATURES, SplitConfig(), progress=False)
+    convert("movielens", [raw], tmp_path / "ml3.logs", progress=False)
+    (tmp_path / "ml3.logs" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds files .* does not list \(notes\.txt\)"):
+        prepare_converted("movielens", [raw], tmp_path / "ml3", ML_FEATURES, SplitConfig(), progress=False)
+    assert (tmp_path / "ml3.logs" / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize("from_source", [False, True])
