@@ -178,10 +178,9 @@ class TableStore:
         if not tier.growable:
             free = tier.num_free()
             if n > free:
-                # Evict beyond the need (a low watermark): 1/32 of the tier for the reference's
-                # O(capacity) search, so it runs every few steps; 1/256 for CLOCK, whose rows go to
-                # SSD slots freed a step or two ago, pages still cached (at 1/32 a host eviction
-                # read 35 MB of cold pages at `genrec bench sparse` full size).
+                # Evict beyond the need (a low watermark): 1/32 of the tier for the reference's O(capacity) search,
+                # so it runs every few steps; 1/256 for CLOCK, whose rows go to SSD slots freed a step or two ago,
+                # pages still cached (at 1/32 a host eviction read 35 MB of cold pages at `genrec bench sparse` full size).
                 victims = self._victims(t, n - free + tier.capacity // (256 if self.native else 32))
                 if victims.numel():
                     v_ids = tier.ids.gather(victims).squeeze(1)
@@ -215,6 +214,7 @@ class TableStore:
     def _promote(self, ids_P, tier_P, slot_P, rows_PW, meta_P3) -> None:
         """Move rows found below the device tier up to it (freeing their old slots)."""
         target = self._top_tier()
+        self.tiers[2].reserve_for(len(ids_P), self.tiers[:2], target, 256 if self.native else 32)  # a full disk fails here
         self._detach(ids_P)
         for t in (1, 2):
             self.tiers[t].free(slot_P[tier_P == t])

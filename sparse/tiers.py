@@ -212,6 +212,13 @@ class _SlabArray:
         self.slabs.append(slab)
         self._addrs = torch.tensor([t.data_ptr() for t in self.slabs], dtype=torch.int64)
 
+    def drop_last_slab(self) -> None:
+        """Undo the last add_slab (a tier whose other arrays could not grow with it)."""
+        self.slabs.pop()
+        if self.path_prefix is not None and not self.unlink and os.path.exists(self._path(len(self.slabs))):
+            os.remove(self._path(len(self.slabs)))
+        self._addrs = torch.tensor([t.data_ptr() for t in self.slabs], dtype=torch.int64)
+
     def _path(self, i: int) -> str:
         return f"{self.path_prefix}.{i:05d}.slab"
 
@@ -391,9 +398,17 @@ class Tier:
 
     def _grow(self) -> None:
         base = self.rows.num_rows
-        self.rows.add_slab()
-        self.ids.add_slab()
-        self.meta.add_slab()
+        added = []
+        try:
+            for array in (self.rows, self.ids, self.meta):
+                array.add_slab()
+                added.append(array)
+        except BaseException:
+            # All three or none: a slab left in one array alone (a full disk at the ids file)
+            # would number that array's slots apart from the others'.
+            for array in added:
+                array.drop_last_slab()
+            raise
         self.layout = new_layout()
         # Pop order: slots freed earlier first, then the new slab's, lowest slot first.
         new_F = torch.arange(self.rows.num_rows - 1, base - 1, -1, dtype=torch.int64)
@@ -412,9 +427,23 @@ class Tier:
     def num_free(self) -> int:
         return self._num_free if not self.growable else 1 << 62
 
-    def alloc(self, n: int) -> torch.Tensor:
+    def reserve(self, n: int) -> None:
+        """Grow a growable tier until it has n free slots (a full disk raises here)."""
         while self.growable and self._num_free < n:
             self._grow()
+
+    def reserve_for(self, n: int, caches: list[Tier], top: int, mark_div: int) -> None:
+        """Grow this (SSD) tier by all that placing n rows in cache `top` can push down to it,
+        before any row leaves its slot (TableStore._promote), so that a full disk fails the
+        call with every row still in place instead of rows already out of the caches and
+        nowhere: the rows and each cache's watermark of extra victims (capacity // mark_div;
+        the host's twice: it takes the device's victims and its overflow in two placements).
+        Nothing when cache `top` has room for them all."""
+        if n > caches[top].num_free():
+            self.reserve(n + caches[0].capacity // mark_div + 2 * (caches[1].capacity // mark_div))
+
+    def alloc(self, n: int) -> torch.Tensor:
+        self.reserve(n)
         assert self._num_free >= n, f"{self.name}: alloc past capacity"
         slots = self._free[self._num_free - n : self._num_free].flip(0)  # a copy
         self._num_free -= n

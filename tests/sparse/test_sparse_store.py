@@ -441,3 +441,39 @@ def test_planner_keeps_small_tables_in_memory_and_splits_budgets():
     assert cfg.tables[1].device_rows == 65536  # the input config is not modified
     with pytest.raises(ValueError, match="'item' is unbounded"):
         plan_tables(cfg, device_bytes=1, host_bytes=1)
+
+
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+def test_a_full_disk_while_the_ssd_tier_grows_loses_no_row(kernels, tmp_path, monkeypatch):
+    """The lookup that must grow the SSD tier fails with ENOSPC; every row is still there,
+    and the tier's arrays still have the same slabs (the rows file got its blocks, the ids
+    file did not), so the lookup succeeds once the disk has room."""
+    import errno
+    import os
+
+    cfg = TableConfig(name="t", embedding_dim=4, feature_names=["f"], device_rows=2, host_rows=2)
+    tec = TieredEmbeddingCollection(SparseConfig(tables=[cfg], ssd_slab_rows=2, ssd_dir=str(tmp_path),
+                                                 kernels=kernels))
+    for ids in ([1, 2], [3, 4], [5, 6]):  # 4 rows in the caches, 2 on SSD: its first slab is full
+        train_step(tec, kjt_of({"f": [ids]}))
+    store, ssd = tec.stores["t"], tec.stores["t"].tiers[2]
+    before = store.all_rows()
+    real, calls = os.posix_fallocate, []
+
+    def full_at_the_ids_file(fd, offset, nbytes):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, offset, nbytes)
+
+    monkeypatch.setattr(os, "posix_fallocate", full_at_the_ids_file)
+    with pytest.raises(OSError, match="No space left"):
+        tec(kjt_of({"f": [[7, 8]]}))  # two new rows push two cached rows down to SSD
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    assert len(ssd.rows.slabs) == len(ssd.ids.slabs) == len(ssd.meta.slabs)
+    after = store.all_rows()
+    order_b, order_a = torch.argsort(before[0]), torch.argsort(after[0])
+    assert torch.equal(before[0][order_b], after[0][order_a]) and torch.equal(before[1][order_b], after[1][order_a])
+    assert len(store.index) == store.num_rows == 6
+    train_step(tec, kjt_of({"f": [[7, 8]]}))
+    assert sorted(store.all_rows()[0].tolist()) == [1, 2, 3, 4, 5, 6, 7, 8]
