@@ -41,7 +41,6 @@ Public API
         save_snapshot(dir), load_snapshot(dir)   (collective under torch.distributed)
         stats()                      rows and hits per tier, misses, per table
     save_snapshot, load_snapshot     snapshot.py: atomic, CRC32-checked, reshardable
-    export_quantized, QuantizedTable, quantize_rows   fp16 / int8 row-wise rows + id index
     plan_tables, TablePlan           planner.py: device / host rows per table from budgets
 
 Checkpoints: the store provides save_snapshot / load_snapshot (a directory), not a
@@ -54,17 +53,14 @@ backward) and on every rank at once. Trainers pair it with their dense checkpoin
 from .config import SparseConfig, TableConfig
 from .module import TieredEmbeddingCollection
 from .planner import TablePlan, plan_tables
-from .snapshot import QuantizedTable, export_quantized, load_snapshot, quantize_rows, save_snapshot
+from .snapshot import load_snapshot, save_snapshot
 
 __all__ = [
-    "QuantizedTable",
     "SparseConfig",
     "TablePlan",
     "TableConfig",
     "TieredEmbeddingCollection",
-    "export_quantized",
     "load_snapshot",
     "plan_tables",
-    "quantize_rows",
     "save_snapshot",
 ]

@@ -1,4 +1,4 @@
-"""Snapshots of the tiered store (save / load, reshardable) and quantized export for serving.
+"""Snapshots of the tiered store (save / load, reshardable).
 
 Layout of a snapshot directory:
 
@@ -50,7 +50,6 @@ import re
 import shutil
 import time
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -447,68 +446,3 @@ def load_snapshot(module, path: str) -> None:
     module.event_time = manifest["event_time"]
     module.last_snapshot = (os.path.abspath(path), manifest["version"])
 
-
-# ---------------------------------------------------------------------- export
-
-
-@dataclass
-class QuantizedTable:
-    """One table's exported shard. int8: values = q * scale + bias (q uint8, per row);
-    fp16: rows are fp16 and scale_bias is None."""
-
-    ids_N: torch.Tensor
-    """int64 [N], sorted ascending (the serving id index: searchsorted)."""
-    rows_ND: torch.Tensor
-    """uint8 or float16 [N, D]."""
-    scale_bias_N2: torch.Tensor | None
-    """float32 [N, 2] (scale, bias) per row for int8; None for fp16."""
-
-    def dequantize(self) -> torch.Tensor:
-        if self.scale_bias_N2 is None:
-            return self.rows_ND.float()
-        return self.rows_ND.float() * self.scale_bias_N2[:, :1] + self.scale_bias_N2[:, 1:]
-
-
-def quantize_rows(values_ND: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Row-wise quantization: "fp16", or "int8" asymmetric uint8 with fp32 scale and bias
-    per row (FBGEMM's fused 8-bit row-wise layout, kept as two arrays)."""
-    if dtype == "fp16":
-        return values_ND.to(torch.float16), None
-    if dtype != "int8":
-        raise ValueError(f"export dtype must be 'fp16' or 'int8', got {dtype!r}")
-    lo_N1 = values_ND.min(dim=1, keepdim=True).values
-    hi_N1 = values_ND.max(dim=1, keepdim=True).values
-    scale_N1 = ((hi_N1 - lo_N1) / 255.0).clamp(min=1e-12)
-    q_ND = torch.round((values_ND - lo_N1) / scale_N1).clamp(0, 255).to(torch.uint8)
-    return q_ND, torch.cat([scale_N1, lo_N1], dim=1)
-
-
-def export_quantized(module, dtype: str = "int8", out_dir: str | None = None) -> dict[str, QuantizedTable]:
-    """Quantize this rank's rows of every table; with out_dir, also write
-    `<table>.rank<r>.{ids,rows,scale_bias}.bin` and `export.rank<r>.json` (sizes, CRC32s)."""
-    module.finish_row_updates()
-    rank, _ = _dist(module)
-    result, files = {}, {}
-    for name, store in module.stores.items():
-        ids_N, rows_NW, _ = store.all_rows()
-        order = torch.argsort(ids_N)
-        q_ND, sb_N2 = quantize_rows(rows_NW[order, : store.dim], dtype)
-        result[name] = QuantizedTable(ids_N=ids_N[order], rows_ND=q_ND, scale_bias_N2=sb_N2)
-    if out_dir is not None:
-        os.makedirs(out_dir, exist_ok=True)
-        for name, qt in result.items():
-            stem = os.path.join(out_dir, f"{name}.rank{rank}")
-            files[name] = {
-                "dtype": dtype,
-                "embedding_dim": module.tables[name].embedding_dim,
-                "num_rows": int(qt.ids_N.numel()),
-                "ids": _write_tensor(stem + ".ids.bin", qt.ids_N),
-                "rows": _write_tensor(stem + ".rows.bin", qt.rows_ND.view(torch.uint8) if dtype == "int8" else qt.rows_ND),
-            }
-            if qt.scale_bias_N2 is not None:
-                files[name]["scale_bias"] = _write_tensor(stem + ".scale_bias.bin", qt.scale_bias_N2)
-        tmp = os.path.join(out_dir, f"export.rank{rank}.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"format": "genrec.sparse.export/1", "rank": rank, "tables": files}, f, indent=1)
-        os.replace(tmp, os.path.join(out_dir, f"export.rank{rank}.json"))
-    return result

@@ -75,7 +75,7 @@ Dtype = Literal["fp32", "fp16", "int8"]
 
 def quantize_rows(values_ND: torch.Tensor, dtype: Dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 rows -> stored rows: fp32 as is, fp16, or int8 row-wise (uint8 + fp32 scale, bias
-    per row: FBGEMM's 8-bit row-wise scheme, the same as `genrec.sparse.snapshot`)."""
+    per row: FBGEMM's 8-bit row-wise scheme)."""
     values_ND = values_ND.detach().float().contiguous()
     if dtype == "fp32":
         return values_ND, None

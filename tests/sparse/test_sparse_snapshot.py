@@ -15,7 +15,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from genrec.sparse import SparseConfig, TableConfig, TieredEmbeddingCollection
 from genrec.sparse import snapshot as snap
-from genrec.sparse.snapshot import export_quantized, load_snapshot, save_snapshot
+from genrec.sparse.snapshot import load_snapshot, save_snapshot
 
 
 def make_config(ssd_dir=None) -> SparseConfig:
@@ -163,35 +163,6 @@ def test_dimension_or_optimizer_mismatch_names_table(tmp_path):
     cfg.tables[0].optimizer = "sgd"
     with pytest.raises(ValueError, match=r"table 'item' was saved with optimizer 'rowwise_adagrad'"):
         load_snapshot(TieredEmbeddingCollection(cfg), path)
-
-
-def test_export_quantized_rows(tmp_path):
-    tec, _, _ = _saved(tmp_path)
-    ids, rows, _ = tec.stores["item"].all_rows()
-    exact = rows[torch.argsort(ids), :6]
-    q8 = export_quantized(tec, "int8", str(tmp_path / "export"))
-    qt = q8["item"]
-    assert torch.equal(qt.ids_N, ids.sort().values)
-    assert qt.rows_ND.dtype == torch.uint8
-    err = (qt.dequantize() - exact).abs()
-    assert (err <= qt.scale_bias_N2[:, :1] * 0.5 + 1e-7).all()
-    manifest = json.load(open(tmp_path / "export" / "export.rank0.json"))
-    assert manifest["tables"]["item"]["num_rows"] == ids.numel()
-    raw = open(tmp_path / "export" / "item.rank0.rows.bin", "rb").read()
-    assert raw == qt.rows_ND.numpy().tobytes()
-    q16 = export_quantized(tec, "fp16", str(tmp_path / "export16"))
-    for name, dim in (("item", 6), ("adv", 3)):
-        t_ids, t_rows, _ = tec.stores[name].all_rows()
-        fp32 = t_rows[torch.argsort(t_ids), :dim]
-        qt = q16[name]
-        assert torch.equal(qt.ids_N, t_ids.sort().values) and qt.rows_ND.dtype == torch.float16
-        # Round to nearest fp16: within half an fp16 ulp (2^-11 relative; 2^-25 absolute near 0).
-        bound = fp32.abs() * 2.0**-11 + 2.0**-25
-        assert ((qt.dequantize() - fp32).abs() <= bound).all(), name
-        raw = open(tmp_path / "export16" / f"{name}.rank0.rows.bin", "rb").read()
-        assert raw == fp32.to(torch.float16).numpy().tobytes(), name
-    with pytest.raises(ValueError, match="'int4'"):
-        export_quantized(tec, "int4")
 
 
 def test_snapshot_dir_uncreatable_names_path(tmp_path):
