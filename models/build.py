@@ -123,6 +123,9 @@ class _AveragedRowGrads(nn.Module):
     def lookup_many(self, kjts, replicated=None):
         return [self._scaled(rows) for rows in self.store.lookup_many(kjts, replicated)]
 
+    def read_ahead(self, kjts) -> int:  # advice only: no rows, so no gradients to scale
+        return self.store.read_ahead(kjts)
+
     def _scaled(self, rows: dict) -> dict:
         return {key: JaggedTensor(values=_ScaleGrad.apply(jt.values(), self.scale), lengths=jt.lengths(),
                                   offsets=jt.offsets())

@@ -207,11 +207,18 @@ def _is_version_dir(path: str) -> bool:
         return all(e.is_file(follow_symlinks=False) and _SHARD_FILE.fullmatch(e.name) for e in entries)
 
 
+def _error(failure: OSError | None) -> tuple[int | None, str] | None:
+    """An OSError as it travels to the other ranks: (errno, message)."""
+    return None if failure is None else (failure.errno, str(failure))
+
+
 def save_snapshot(module, path: str, *, max_deltas: int = 0) -> list[str]:
     """Write every table's shard of this rank; collective when the module is distributed.
     `max_deltas` > 0: a delta on the last snapshot saved or loaded where one can be (see
     the module doc). Returns the paths of the files this rank wrote (rank 0: the manifest
-    too), not the older links' files it linked: the manifest's sizes and CRC32s cover those."""
+    too), not the older links' files it linked: the manifest's sizes and CRC32s cover those.
+    An OSError on any rank (a full disk) raises OSError on every rank, each past its last
+    collective of the save, and leaves the last manifest as it was."""
     module.finish_row_updates()  # deferred row updates belong to the state being saved
     rank, world = _dist(module)
     known = [all(store.removals_known for store in module.stores.values())]
@@ -228,80 +235,100 @@ def save_snapshot(module, path: str, *, max_deltas: int = 0) -> list[str]:
         os.makedirs(vdir, exist_ok=True)
     except OSError as e:
         raise ValueError(f"cannot create snapshot directory {vdir}: {e}") from None
-    shards, written = {}, []
-    for name, store in module.stores.items():
-        stem = os.path.join(vdir, f"{name}.rank{rank}")
-        writers = {k: _Writer(f"{stem}.{k}.bin") for k in ("ids", "rows", "meta")}
-        num_rows = 0
-        rows = store.iter_rows(changed_only=base is not None)
-        for ids_n, rows_nW, meta_n3 in rows:  # slab by slab: bounded memory
-            writers["ids"].write(ids_n)
-            writers["rows"].write(rows_nW)
-            writers["meta"].write(meta_n3)
-            num_rows += int(ids_n.numel())
-        p_ids, p_state = store.pending.items()
-        files = {k: w.close() for k, w in writers.items()}
-        files["pending_ids"] = _write_tensor(stem + ".pending_ids.bin", p_ids)
-        files["pending_state"] = _write_tensor(stem + ".pending_state.bin", p_state)
-        shards[name] = {"rank": rank, "num_rows": num_rows, "num_pending": int(p_ids.numel()),
-                        "step": store.step, "last_sweep": store.last_sweep, "files": files}
-        if base is not None:
-            removed = store.removed_ids()
-            files["removed"] = _write_tensor(stem + ".removed.bin", removed)
-            shards[name]["num_removed"] = int(removed.numel())
-        written += [os.path.join(vdir, f["file"]) for f in files.values()]
-    if base is not None:  # this rank's files of the older links, into this folder
-        base_path, links = base
-        for link in links:
-            src_dir, dst_dir = (os.path.join(p, f"v{link['version']}") for p in (base_path, path))
-            os.makedirs(dst_dir, exist_ok=True)
-            for name in module.stores:
-                for info in link["shards"][name][rank]["files"].values():
-                    _link_file(os.path.join(src_dir, info["file"]), os.path.join(dst_dir, info["file"]))
-            _fsync_dir(dst_dir)
-    # The files' own fsyncs do not cover their names: the folder's entries must be durable
-    # before the manifest that names them can be.
-    _fsync_dir(vdir)
-    gathered = [shards]
+    shards, written, failure = {}, [], None
+    try:
+        for name, store in module.stores.items():
+            stem = os.path.join(vdir, f"{name}.rank{rank}")
+            writers = {k: _Writer(f"{stem}.{k}.bin") for k in ("ids", "rows", "meta")}
+            num_rows = 0
+            rows = store.iter_rows(changed_only=base is not None)
+            for ids_n, rows_nW, meta_n3 in rows:  # slab by slab: bounded memory
+                writers["ids"].write(ids_n)
+                writers["rows"].write(rows_nW)
+                writers["meta"].write(meta_n3)
+                num_rows += int(ids_n.numel())
+            p_ids, p_state = store.pending.items()
+            files = {k: w.close() for k, w in writers.items()}
+            files["pending_ids"] = _write_tensor(stem + ".pending_ids.bin", p_ids)
+            files["pending_state"] = _write_tensor(stem + ".pending_state.bin", p_state)
+            shards[name] = {"rank": rank, "num_rows": num_rows, "num_pending": int(p_ids.numel()),
+                            "step": store.step, "last_sweep": store.last_sweep, "files": files}
+            if base is not None:
+                removed = store.removed_ids()
+                files["removed"] = _write_tensor(stem + ".removed.bin", removed)
+                shards[name]["num_removed"] = int(removed.numel())
+            written += [os.path.join(vdir, f["file"]) for f in files.values()]
+        if base is not None:  # this rank's files of the older links, into this folder
+            base_path, links = base
+            for link in links:
+                src_dir, dst_dir = (os.path.join(p, f"v{link['version']}") for p in (base_path, path))
+                os.makedirs(dst_dir, exist_ok=True)
+                for name in module.stores:
+                    for info in link["shards"][name][rank]["files"].values():
+                        _link_file(os.path.join(src_dir, info["file"]), os.path.join(dst_dir, info["file"]))
+                _fsync_dir(dst_dir)
+        # The files' own fsyncs do not cover their names: the folder's entries must be durable
+        # before the manifest that names them can be.
+        _fsync_dir(vdir)
+    except OSError as e:  # a full disk, an I/O error: every rank learns it at the gather below
+        failure = e
+    # The gather carries each rank's outcome with its shards: a rank whose writes failed
+    # still takes part, so no rank waits in a collective the failed one never reaches.
+    gathered = [(shards, _error(failure))]
     if world > 1:
         gathered = [None] * world
-        dist.all_gather_object(gathered, shards, group=module.group)
+        dist.all_gather_object(gathered, (shards, _error(failure)), group=module.group)
+    errors = [(r, error) for r, (_, error) in enumerate(gathered) if error is not None]
+    if errors:
+        if failure is not None:
+            raise failure
+        r, (code, text) = errors[0]
+        raise OSError(code, f"snapshot {path}: rank {r}: {text}")
+    gathered = [g for g, _ in gathered]
     if rank == 0:
-        # The version folder's entry in `path`, and `path`'s own if this save created it.
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
-        _fsync_dir(path)
-        manifest = {
-            "format": FORMAT,
-            "version": version,
-            "kind": "full" if base is None else "delta",
-            "chain": [] if base is None else base[1],
-            "world_size": world,
-            "event_time": module.event_time,
-            "tables": {
-                name: {
-                    "embedding_dim": t.embedding_dim,
-                    "optimizer": t.optimizer,
-                    "row_width": module.stores[name].width,
-                    "shards": [g[name] for g in gathered],
-                }
-                for name, t in module.tables.items()
-            },
-        }
-        manifest[CHECKSUM_KEY] = manifest_checksum(manifest)
-        tmp = os.path.join(path, MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(path, MANIFEST))  # the commit point
-        written.append(os.path.join(path, MANIFEST))
-        _fsync_dir(path)
-        keep = {f"v{link['version']}" for link in _links(manifest)}
-        for entry in os.listdir(path):
-            if entry not in keep and _is_version_dir(os.path.join(path, entry)):
-                shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
-    if world > 1:
-        dist.barrier(group=module.group)
+        try:
+            # The version folder's entry in `path`, and `path`'s own if this save created it.
+            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+            _fsync_dir(path)
+            manifest = {
+                "format": FORMAT,
+                "version": version,
+                "kind": "full" if base is None else "delta",
+                "chain": [] if base is None else base[1],
+                "world_size": world,
+                "event_time": module.event_time,
+                "tables": {
+                    name: {
+                        "embedding_dim": t.embedding_dim,
+                        "optimizer": t.optimizer,
+                        "row_width": module.stores[name].width,
+                        "shards": [g[name] for g in gathered],
+                    }
+                    for name, t in module.tables.items()
+                },
+            }
+            manifest[CHECKSUM_KEY] = manifest_checksum(manifest)
+            tmp = os.path.join(path, MANIFEST + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(path, MANIFEST))  # the commit point
+            written.append(os.path.join(path, MANIFEST))
+            _fsync_dir(path)
+            keep = {f"v{link['version']}" for link in _links(manifest)}
+            for entry in os.listdir(path):
+                if entry not in keep and _is_version_dir(os.path.join(path, entry)):
+                    shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+        except OSError as e:
+            failure = e
+    if world > 1:  # the barrier after the commit, which tells every rank whether rank 0 made it
+        box = [_error(failure)]
+        dist.broadcast_object_list(box, src=0, group=module.group)
+        if box[0] is not None and failure is None:
+            raise OSError(box[0][0], f"snapshot {path}: rank 0: {box[0][1]}")
+    if failure is not None:
+        raise failure
     for store in module.stores.values():
         store.mark_snapshot()
     module.last_snapshot = (os.path.abspath(path), version)

@@ -247,7 +247,20 @@ class CheckpointManager:
                 rank, (code, text) = errors[0]
                 raise failure or OSError(code, f"rank {rank}: {text}")
             if self.rank == 0:
-                self._publish(tmp, final, step, fingerprint, {k: v for rep in reports for k, v in rep["files"].items()})
+                try:
+                    self._publish(tmp, final, step, fingerprint,
+                                  {k: v for rep in reports for k, v in rep["files"].items()})
+                except OSError as e:  # its marker on a full disk: the other ranks learn it just below
+                    failure = e
+            if _dist_on():
+                # Rank 0 alone publishes; every rank waits here for its outcome, so that all
+                # raise together instead of the others waiting for rank 0 in the barrier below.
+                box = [None if failure is None else (failure.errno, str(failure))]
+                dist.broadcast_object_list(box, src=0)
+                if box[0] is not None and failure is None:
+                    failure = OSError(box[0][0], f"rank 0: {box[0][1]}")
+            if failure is not None:
+                raise failure
         except OSError as e:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # never trusted (no marker), and it frees the space

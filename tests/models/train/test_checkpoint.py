@@ -383,7 +383,7 @@ def test_two_rank_gloo_save_and_load(tmp_path: Path) -> None:
     }
 
 
-def _disk_full_worker(rank: int, root: str, port: int) -> None:
+def _disk_full_worker(rank: int, root: str, port: int, match: str, budget: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
     try:
@@ -400,8 +400,8 @@ def _disk_full_worker(rank: int, root: str, port: int) -> None:
                             rank_state={"step": step}, write_shared=shared, config_fingerprint=FP)
 
         save(1)
-        if rank == 0:  # only rank 0 writes dense.pt, and its disk fills up in it
-            checkpoint_module.open = FullDisk(budget=1000, match="dense.pt")
+        if rank == 0:  # only rank 0 writes dense.pt and the marker, and its disk fills up in one
+            checkpoint_module.open = FullDisk(budget=budget, match=match)
         try:
             save(2)
             outcome = "saved"
@@ -415,11 +415,66 @@ def _disk_full_worker(rank: int, root: str, port: int) -> None:
         dist.destroy_process_group()
 
 
-def test_a_disk_full_on_rank_0_only_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("match,budget", [("dense.pt", 1000), (MARKER, 0)], ids=["dense", "marker"])
+def test_a_disk_full_on_rank_0_only_fails_the_save_on_every_rank(tmp_path: Path, match: str, budget: int) -> None:
     """The shared writer's collectives must not wait for a rank whose own files already
-    failed: every rank raises CheckpointWriteError, none times out in a collective."""
+    failed (dense.pt), nor the other ranks for rank 0 once it fails to publish (the marker,
+    written after every rank reported): every rank raises CheckpointWriteError, none times
+    out in a collective."""
     root = tmp_path / "ckpt"
-    _join(mp.spawn(_disk_full_worker, args=(str(root), free_port()), nprocs=2, join=False), "disk full", 120)
+    _join(mp.spawn(_disk_full_worker, args=(str(root), free_port(), match, budget), nprocs=2, join=False),
+          "disk full", 120)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"full-{rank}.json").read_text()) == {"outcome": "disk full",
+                                                                           "then": "step-00000003"}
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000003"]
+
+
+def _snapshot_disk_full_worker(rank: int, root: str, port: int, failing_rank: int, match: str) -> None:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from genrec.sparse import SparseConfig, TableConfig, TieredEmbeddingCollection
+    from genrec.sparse import snapshot as snapshot_module
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30))
+    try:
+        tec = TieredEmbeddingCollection(SparseConfig(tables=[TableConfig(name="item", embedding_dim=4,
+                                                                         feature_names=["item_id"])]))
+        ids = torch.arange(rank * 50, rank * 50 + 50)
+        tec(KeyedJaggedTensor.from_lengths_sync(keys=["item_id"], values=ids, lengths=torch.tensor([50])))[
+            "item_id"].values().sum().backward()
+        mgr = CheckpointManager(root, keep_last=2, rank=rank, world_size=2)
+
+        def save(step: int) -> Path:
+            return mgr.save(step, dense_state={"w": torch.full((4,), float(step))} if rank == 0 else None,
+                            rank_state={"step": step}, write_shared=lambda d: tec.save_snapshot(str(d / "sparse")),
+                            config_fingerprint=FP)
+
+        save(1)
+        if rank == failing_rank:
+            snapshot_module.open = FullDisk(budget=0, match=match)
+        try:
+            save(2)
+            outcome = "saved"
+        except CheckpointWriteError as e:
+            outcome = "disk full" if "disk is full" in str(e) else str(e)
+        if rank == failing_rank:
+            del snapshot_module.open
+        path = save(3)  # with space again
+        (Path(root).parent / f"full-{rank}.json").write_text(json.dumps({"outcome": outcome, "then": path.name}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("failing_rank,match", [(1, ".bin"), (0, "MANIFEST")], ids=["shard", "manifest"])
+def test_a_disk_full_in_one_rank_s_sparse_snapshot_fails_the_save_on_every_rank(tmp_path, failing_rank, match):
+    """The sparse snapshot's own writes, on one rank (a shard file before the snapshot's
+    gather, rank 0's manifest after it): every rank raises CheckpointWriteError, none is
+    left in one of the snapshot's collectives, and the next save works."""
+    root = tmp_path / "ckpt"
+    _join(mp.spawn(_snapshot_disk_full_worker, args=(str(root), free_port(), failing_rank, match), nprocs=2,
+                   join=False), "snapshot disk full", 120)
     for rank in (0, 1):
         assert json.loads((tmp_path / f"full-{rank}.json").read_text()) == {"outcome": "disk full",
                                                                            "then": "step-00000003"}
