@@ -23,11 +23,13 @@ def time_thresholds(num_buckets: int, divisor: float) -> torch.Tensor:
     the reference formula (found by bisection with that very formula, so the C side agrees
     with PyTorch bit for bit); entry 0 is 0, unreachable buckets and entry NB + 1 int64 max."""
     target = torch.arange(1, num_buckets + 1)
-    lo = torch.ones(num_buckets, dtype=torch.long)            # bucket(lo) < target (or lo = 1)
-    hi = torch.full((num_buckets,), 2**62, dtype=torch.long)  # candidate answer
+    lo = torch.ones(num_buckets, dtype=torch.long)                # bucket(lo) < target (or lo = 1)
+    # The whole |dt| range: with many buckets (over 142 at divisor 0.301) gaps past 2**62
+    # have buckets of their own, which a smaller bound would call unreachable.
+    hi = torch.full((num_buckets,), 2**63 - 1, dtype=torch.long)  # candidate answer
     reachable = time_buckets(hi, num_buckets, divisor) >= target
     for _ in range(64):
-        mid = (lo + hi) // 2
+        mid = lo + (hi - lo) // 2  # lo + hi would overflow int64
         ok = time_buckets(mid, num_buckets, divisor) >= target
         hi = torch.where(ok, mid, hi)
         lo = torch.where(ok, lo, mid + 1)

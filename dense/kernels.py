@@ -81,11 +81,12 @@ def _visible(i: torch.Tensor, j: torch.Tensor, hist: torch.Tensor) -> torch.Tens
     return (j <= i) & ((j < hist) | (j == i))
 
 
-def _inv_n(i: torch.Tensor, hist: torch.Tensor, p: HSTUAttentionParams) -> torch.Tensor | float:
+def _inv_n(i: torch.Tensor, hist: torch.Tensor, p: HSTUAttentionParams,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor | float:
     if p.normalizer == "max_seq_len":
         return 1.0 / p.max_seq_len
     if p.normalizer == "num_keys":
-        return 1.0 / (torch.minimum(i, hist) + 1).float()
+        return 1.0 / (torch.minimum(i, hist) + 1).to(dtype)
     return 1.0
 
 
@@ -116,7 +117,10 @@ def hstu_attention_reference(q_THd, k_THd, v_THd, layout: JaggedLayout, ts_w, po
     i, j = ar[None, :, None], ar[None, None, :]
     hist = layout.history_lengths_B[:, None, None]
     mask_BNN = _visible(i, j, hist) & (j < layout.lengths_B[:, None, None])
-    scale_BNN = mask_BNN * _inv_n(i, hist, p)
+    # In the scores' dtype: a bool mask times 1 / n is float32, which would round the
+    # normalizer of a float64 reference.
+    dtype = torch.promote_types(s_BHNN.dtype, torch.float32)
+    scale_BNN = mask_BNN.to(dtype) * _inv_n(i, hist, p, dtype)
     a_BHNN = F.silu(s_BHNN) * scale_BNN[:, None]
     out = torch.einsum("bhnm,bmhd->bnhd", a_BHNN.to(v.dtype), v)
     return out.reshape((B * N,) + out.shape[2:])[layout.padded_index()]
@@ -183,10 +187,10 @@ def _bias_tile(bucket, ts_w, pos_w, i0, i1, p):
     return bias, pos_idx, t_idx
 
 
-def _inv_n_GN(bucket, p):
+def _inv_n_GN(bucket, p, dtype=torch.float32):
     if p.normalizer == "num_keys":
         i = torch.arange(bucket.max_len, device=bucket.positions_GN.device)[None, :]
-        return 1.0 / (torch.minimum(i, bucket.history_lengths_G[:, None]) + 1).float()
+        return 1.0 / (torch.minimum(i, bucket.history_lengths_G[:, None]) + 1).to(dtype)
     return _inv_n(None, None, p)
 
 
@@ -286,7 +290,7 @@ class _HSTUChunkedFn(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             G, H, N, _ = q.shape
             bq = _block_rows(G, H, N, p)
-            inv_n = _inv_n_GN(bucket, p)
+            inv_n = _inv_n_GN(bucket, p, torch.promote_types(q.dtype, torch.float32))
             fused = _fused_state(q, k, v, ts_w, pos_w, bucket, p)
             out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             for i0 in range(0, N, bq):
@@ -312,7 +316,7 @@ class _HSTUChunkedFn(torch.autograd.Function):
             dout = dout.to(v.dtype)
             G, H, N, _ = q.shape
             bq = _block_rows(G, H, N, p)
-            inv_n = _inv_n_GN(bucket, p)
+            inv_n = _inv_n_GN(bucket, p, torch.promote_types(q.dtype, torch.float32))
             fused = _fused_state(q, k, v, ts_w, pos_w, bucket, p)
             if fused is not None:  # the C tile sums bias grads in float64
                 d_ts64 = None if ts_w is None else torch.zeros(ts_w.shape, dtype=torch.float64)

@@ -93,6 +93,23 @@ def test_hstu_reference_matches_pairwise_definition(normalizer):
             torch.testing.assert_close(out[s0 + i], acc)
 
 
+@pytest.mark.parametrize("normalizer", ["max_seq_len", "num_keys"])
+@pytest.mark.parametrize("kernel", [hstu_attention_reference, hstu_attention_chunked])
+def test_float64_kernels_divide_by_n_in_float64(normalizer, kernel):
+    """1 / n is not rounded to fp32 in float64 (n = 300 or 3 are not powers of two)."""
+    q, k, v, off, ts, nt = jagged([7, 2], [2, 0])
+    layout = make_layout(off, ts, nt, 300)
+    p = {name: HSTUAttentionParams(alpha=0.5, normalizer=name, max_seq_len=300, num_time_buckets=12,
+                                   time_bucket_divisor=0.301, bucket_min_fill=0.75, block_elems=300)
+         for name in (normalizer, "none")}
+    ts_w, pos_w = torch.randn(13, dtype=torch.float64), torch.randn(300, dtype=torch.float64)
+    out = kernel(q, k, v, layout, ts_w, pos_w, p[normalizer])
+    summed = kernel(q, k, v, layout, ts_w, pos_w, p["none"])
+    n = torch.full((9,), 300.0, dtype=torch.float64) if normalizer == "max_seq_len" else \
+        torch.tensor([1, 2, 3, 4, 5, 6, 6, 1, 2], dtype=torch.float64)  # row 0: 5 history + 2 candidates
+    torch.testing.assert_close(out, summed / n[:, None, None], rtol=1e-14, atol=1e-15)
+
+
 @pytest.mark.parametrize("num_targets", [None, [1, 0, 1, 3, 0, 2, 0, 0, 5]])
 def test_sdpa_matches_reference_fwd_bwd(num_targets):
     q, k, v, off, ts, nt = jagged(SKEWED, num_targets, dtype=torch.float32)

@@ -143,3 +143,23 @@ def test_what_the_kernel_would_misread_is_refused(change, error):
     change(x)
     with pytest.raises((TypeError, ValueError), match=error):
         _call(x)
+
+
+def test_time_gaps_past_2_to_the_62_take_the_references_bucket():
+    """With more than 142 buckets at divisor 0.301, gaps between 2^62 and 2^63 have buckets
+    of their own under the reference formula; the kernels' integer thresholds reach them too."""
+    nb, n = 150, 5
+    gen = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(1, 1, n, DQ, generator=gen) for _ in range(2))
+    v = torch.randn(1, 1, n, DV, generator=gen)
+    ts = torch.tensor([[0, 2**62, 5 * 10**18, 8 * 10**18, 2**63 - 2]])
+    ts_w = torch.randn(nb + 1, generator=gen)
+    pos, hist = torch.arange(n)[None], torch.tensor([n])
+    buckets = time_buckets(ts[:, :, None] - ts[:, None, :], nb, DIVISOR)
+    assert int(buckets.max()) > 142
+    s = ALPHA * q.double() @ k.double().transpose(-1, -2) + ts_w.double()[buckets][:, None]
+    want = (torch.nn.functional.silu(s) * torch.ones(n, n, dtype=torch.bool).tril()) @ v.double()
+    for tidx in (None, buckets.to(torch.uint8)):
+        got = hstu_op.attention(q, k, v, ts, None, tidx, ts_w, None, pos, hist, hist, max_seq_len=P, num_buckets=nb,
+                                alpha=ALPHA, divisor=DIVISOR)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
