@@ -41,9 +41,10 @@ BENCH_MODULES = {
     "train": "genrec.models.train.bench",
     "serve": "genrec.models.serving.bench",
     "quality": "genrec.models.train.bench_quality",
+    "quality-ml100k": "genrec.models.train.bench_quality_ml100k",
 }
 ALL = ("data", "sparse", "dense", "train", "serve")
-"""What `bench all` runs (`quality` trains for minutes even with --quick: run it alone)."""
+"""What `bench all` runs (`quality` and `quality-ml100k` train for minutes even with --quick: run them alone)."""
 
 GATED = {
     # figure: (higher is better, target or None)

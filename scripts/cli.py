@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-BENCHES = ("data", "sparse", "dense", "train", "serve", "quality", "all", "check", "gate", "baseline", "readme")
+BENCHES = ("data", "sparse", "dense", "train", "serve", "quality", "quality-ml100k", "all", "check", "gate", "baseline", "readme")
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
