@@ -495,8 +495,13 @@ class SequenceLoader:
         if self.cfg.num_workers == 0:
             source = iter(ds)
         else:
+            # The workers' base seed is drawn from a generator of the loader's own: from torch's
+            # global one (DataLoader's default) it would use up a draw of the training RNG each
+            # epoch, and once more on a resume, so a resumed run would not train as one that ran
+            # on (and, drawn in the prefetch thread, not even as itself).
             source = iter(DataLoader(ds, batch_size=None, num_workers=self.cfg.num_workers, collate_fn=_identity,
-                                     prefetch_factor=self.cfg.prefetch_factor))
+                                     prefetch_factor=self.cfg.prefetch_factor,
+                                     generator=torch.Generator().manual_seed(self.cfg.seed)))
         pending: dict[tuple[int, int], dict] = {}
         for k in range(self.batches_done, len(sched)):
             w = int(sched[k])

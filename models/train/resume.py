@@ -37,6 +37,7 @@ from genrec.models.runs import (
     BEST_FILE, CHECKPOINTS, CONFIG_FILE, RUN_FORMAT, RUN_MANIFEST, CorruptCheckpoint, latest_checkpoint,
     scan_checkpoints,
 )
+from genrec.models.train.schedule import warmup_cosine
 
 APPLIED = (
     "train.max_steps", "train.num_epochs", "train.eval_every", "train.eval_every_epochs", "train.eval_max_users",
@@ -172,6 +173,37 @@ def apply_optim_settings(optimizer: torch.optim.Optimizer, scheduler, cfg: Optim
     for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group["lr"] = cfg.lr * lr_lambda(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def epochs_end(loader, step: int, num_epochs: int, *, resized: bool) -> int | None:
+    """The step at which a run restored at `step`, with `loader` at its restored position,
+    has trained `num_epochs` epochs: the rest of this epoch and the plan's later ones, each
+    the batches every rank yields (as `trainer.epoch_steps` counts them). Counted from the
+    position, not from step 0: once a run has resumed on another world size, its earlier
+    epochs were another plan's, of other lengths. None where the ranks' positions differ
+    (several ranks without `equal_batches_per_rank` and no resize: their epochs end at other
+    steps, and the count from step 0 is the one all ranks share)."""
+    ds = loader.dataset
+    if not resized and ds.world_size > 1 and not loader.cfg.equal_batches_per_rank:
+        return None
+    if loader.epoch >= num_epochs:
+        return step
+
+    def steps(epoch: int) -> int:
+        return min(len(ds.schedule(epoch, rank)) for rank in range(ds.world_size))
+
+    later = sum(steps(epoch) for epoch in range(loader.epoch + 1, num_epochs))
+    return step + steps(loader.epoch) - loader.batches_done + later
+
+
+def relaid_schedule(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimConfig, total_steps: int):
+    """A cosine schedule over `total_steps` in place of restored `scheduler`, at its step."""
+    saved = scheduler.state_dict()
+    scheduler = warmup_cosine(optimizer, warmup_steps=min(cfg.warmup_steps, max(total_steps, 1)),
+                              total_steps=max(total_steps, 1), min_lr_ratio=cfg.min_lr_ratio)
+    scheduler.load_state_dict(saved)
+    apply_optim_settings(optimizer, scheduler, cfg)
+    return scheduler
 
 
 def check_run_dir(run_dir: Path) -> None:

@@ -46,7 +46,8 @@ from genrec.models.train.checkpoint import (
     CheckpointManager, capture_rng_state, fault_point, install_stop_signals, restore_rng_state,
 )
 from genrec.models.train.resume import (
-    apply_optim_settings, check_fresh, check_resume, check_run_dir, describe_changes, saved_form, start_fresh,
+    apply_optim_settings, check_fresh, check_resume, check_run_dir, describe_changes, epochs_end, relaid_schedule,
+    saved_form, start_fresh,
 )
 from genrec.models.config import JobConfig
 from genrec.models.ranks import DistInfo, all_reduce_sum, any_rank
@@ -485,28 +486,24 @@ class Trainer:
         saved_world = int(rank_state["loader"]["world_size"])
         if self.dist.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
-        if saved_world != self.dist.world_size:
+        if saved_world != self.dist.world_size or self.cfg.train.num_epochs is not None:
             self._follow_new_world(saved_world)
 
     def _follow_new_world(self, saved_world: int) -> None:
-        """After a resume on another world size: the loader deals the rest of the epoch to
-        this world (data/loader.py); with `train.num_epochs` the run still ends after that
-        many epochs, so its last step and the cosine schedule's length are laid anew."""
-        tc, loader = self.cfg.train, self.loader
+        """After a resume on another world size the loader deals the rest of the epoch to this
+        world (data/loader.py); with `train.num_epochs` the run still ends after that many
+        epochs, so its last step and the cosine schedule's length are laid anew from the
+        loader's position (`epochs_end`), again at each later resume: the config's count
+        from step 0 is this world's plan, not the plan that read the earlier epochs."""
+        tc, loader, resized = self.cfg.train, self.loader, saved_world != self.dist.world_size
         note = (f"resumed a {saved_world}-rank checkpoint on {self.dist.world_size} rank(s): the rest of "
-                f"epoch {loader.epoch} is {len(loader) - loader.batches_done} steps on this world")
-        if tc.num_epochs is not None:
-            left = len(loader) - loader.batches_done
-            left += epoch_steps(self.cfg, self.dist.world_size, range(loader.epoch + 1, tc.num_epochs))
-            tc.max_steps = self.step + (left if loader.epoch < tc.num_epochs else 0)
-            saved = self.scheduler.state_dict()
-            self.scheduler = warmup_cosine(
-                self.optimizer, warmup_steps=min(tc.optim.warmup_steps, max(tc.max_steps, 1)),
-                total_steps=max(tc.max_steps, 1), min_lr_ratio=tc.optim.min_lr_ratio)
-            self.scheduler.load_state_dict(saved)
-            apply_optim_settings(self.optimizer, self.scheduler, tc.optim)
-            note += f"; its {tc.num_epochs} epochs end at step {tc.max_steps}"
-        if self.dist.is_main:
+                f"epoch {loader.epoch} is {len(loader) - loader.batches_done} steps on this world") if resized else ""
+        end = None if tc.num_epochs is None else epochs_end(loader, self.step, tc.num_epochs, resized=resized)
+        if end is not None and (resized or end != tc.max_steps):
+            tc.max_steps = end
+            self.scheduler = relaid_schedule(self.optimizer, self.scheduler, tc.optim, end)
+            note = (note or "resumed a run that changed world size") + f"; its {tc.num_epochs} epochs end at step {end}"
+        if self.dist.is_main and note:
             print(f"genrec train: {note}", file=sys.stderr, flush=True)
 
 

@@ -391,3 +391,14 @@ def test_the_first_rows_of_a_split_are_the_same_users_on_any_world_size(ad_prepa
         assert sorted(counted) == sorted(users[:n]), world
     with pytest.raises(ValueError, match="shuffle = false"):
         make_loader(ad_prepared / "valid", AD_FEATURES, replace(cfg, shuffle=True)).rows_in_first(first)
+
+
+def test_worker_processes_leave_the_global_torch_rng_alone(ad_prepared):
+    """Training draws its negatives from torch's global RNG: a loader with worker processes
+    that took a draw from it at each epoch's start (and again at a resume) would make a
+    resumed run train other than the run that went on."""
+    loader = make_loader(ad_prepared / "train", AD_FEATURES, LoaderConfig(batch_size=64, max_seq_len=8, num_workers=2))
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    assert len(list(loader)) > 0
+    assert torch.equal(torch.get_rng_state(), before)

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +50,24 @@ def test_two_rank_checkpoint_resumes_on_one_rank_to_the_end_of_its_epoch(prepare
     last = 3 + math.ceil((rows - 2 * 3 * 8) / 8)
     assert _logged_steps(run) == list(range(1, last + 1))
     assert _rank_dirs(run / "checkpoints" / f"step-{last:08d}") == ["rank-00000-of-00001"]
+    assert json.loads((run / "config.json").read_text())["train"]["max_steps"] == last
+
+
+def test_a_resized_run_resumed_again_on_its_new_world_still_ends_after_its_epochs(prepared, tmp_path):
+    """The end a resize lays for `train.num_epochs` (epoch 0 begun by 2 ranks, ended by 1) is
+    laid again from the loader's position at the next resume on 1 rank: counted from step 0
+    on 1 rank, the run would go on past its 2 epochs, on another cosine schedule."""
+    run = tmp_path / "run"
+    _train(2, tiny_config(prepared, run, max_steps=3, checkpoint_every=3))
+    cfg = tiny_config(prepared, run, num_epochs=2, checkpoint_every=4)
+    _train(1, cfg)
+    last = json.loads((run / "config.json").read_text())["train"]["max_steps"]
+    want = dict(zip(_logged_steps(run), _losses(run)))
+    # A crash after the checkpoint before the last, in epoch 1: the 1-rank plan's own.
+    shutil.rmtree(max((run / "checkpoints").glob("step-*")))
+    _train(1, cfg)
+    got = dict(zip(_logged_steps(run), _losses(run)))  # each step's last logged loss
+    assert max(got) == last and got == want
     assert json.loads((run / "config.json").read_text())["train"]["max_steps"] == last
 
 
