@@ -216,6 +216,17 @@ def remove_abandoned(out: Path) -> list[Path]:
     return removed
 
 
+def directory_identity(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(device, inode) of the folder at `path` now, links followed; None where there is none.
+    A reader compares it before and after reading an output's files: `publish_dir` renames a
+    new folder into place, and files opened by path meanwhile would mix the two."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def staging_dir(out: Path) -> Path:
     """A fresh hidden folder beside `out` (same filesystem, so `publish_dir` is one rename),
     named for this host and process, so that a later writer can tell it abandoned (see

@@ -458,6 +458,9 @@ def read_manifest(artifact_dir: str | os.PathLike) -> dict:
         raise ValueError(f"{path}: manifest 'dtype' must be one of {sorted(_TABLE_ROWS)}, got {manifest['dtype']!r}")
     if not isinstance(manifest["tower"].get("max_seq_len"), int):
         raise ValueError(f"{path}: manifest lacks an integer 'tower.max_seq_len'")
+    index = manifest.get("item_index", {})
+    if not isinstance(index, dict) or (index.get("ann") is not None and not isinstance(index["ann"], dict)):
+        raise ValueError(f"{path}: manifest 'item_index' must be a dict, its 'ann' a dict or null")
     for name, meta in manifest["tables"].items():
         if not isinstance(meta, dict) or not isinstance(meta.get("features"), list):
             raise ValueError(f"{path}: manifest 'tables.{name}' needs a 'features' list")

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from genrec.data.files import claim_output_dir, publish_dir, sha256_file, staging_dir
+from genrec.data.files import claim_output_dir, directory_identity, publish_dir, sha256_file, staging_dir
 from genrec.models.ids import sorted_positions
 from genrec.models.serving.ann import manifest_entry as ann_manifest_entry
 from genrec.models.serving.artifact import (
@@ -170,6 +170,7 @@ def read_delta(delta_dir: str | Path) -> tuple[dict, dict[str, dict[str, torch.T
     from safetensors.torch import load_file
 
     root = Path(delta_dir)
+    before = directory_identity(root)  # a delta exported over this one meanwhile would mix in
     path = root / MANIFEST
     try:
         manifest = json.loads(path.read_text())
@@ -189,6 +190,9 @@ def read_delta(delta_dir: str | Path) -> tuple[dict, dict[str, dict[str, torch.T
             files[rel] = load_file(str(root / rel))
         except Exception as e:  # safetensors raises its own error type on malformed headers
             raise ValueError(f"delta file {rel}: not a readable safetensors file ({e})") from None
+    if directory_identity(root) != before:
+        raise ValueError(f"delta {delta_dir}: the directory was replaced while it was read (an export published "
+                         "over it); apply it again")
     return manifest, files
 
 

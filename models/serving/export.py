@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import pyarrow.dataset as ds
@@ -16,7 +15,7 @@ import torch
 
 from genrec.models.config_loader import to_dict
 from genrec.models.runs import CONFIG_FILE, load_trained, resolve_checkpoint
-from genrec.data.files import claim_output_dir
+from genrec.data.files import claim_output_dir, staging_dir
 from genrec.models.serving.artifact import MANIFEST, export_artifact, item_features_from_events, read_manifest
 from genrec.models.serving.delta import DELTA_FORMAT, write_delta
 
@@ -71,11 +70,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
             model, to_dict(cfg), out_dir, dtype=dtype, item_ids=model.item_corpus, version=version,
             item_features=item_features, overwrite=overwrite, retrieval_index=retrieval_index,
         )
-    claim_output_dir(out_dir, overwrite=overwrite, manifest=MANIFEST, format=DELTA_FORMAT)
-    # The full artifact is written aside (a folder of our own, removed after), then diffed.
-    parent = Path(out_dir).resolve().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    full = Path(tempfile.mkdtemp(prefix=f".{Path(out_dir).name}.full-", dir=parent))
+    out = claim_output_dir(out_dir, overwrite=overwrite, manifest=MANIFEST, format=DELTA_FORMAT)
+    # The full artifact is written aside, then diffed, in a staging folder of this process
+    # (removed after): if the process is killed, the next export to `out` removes it, as it
+    # does an abandoned staging folder, instead of a whole artifact's copy staying for good.
+    full = staging_dir(out)
     try:
         export_artifact(model, to_dict(cfg), full / "artifact", dtype=dtype, item_ids=model.item_corpus,
                         version=version, item_features=item_features, retrieval_index="exact")

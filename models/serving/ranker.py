@@ -50,6 +50,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from genrec.data.config import FeatureSpec
+from genrec.data.files import directory_identity
 from genrec.dense import fused
 from genrec.models.ids import sorted_positions
 from genrec.models.config_loader import from_dict
@@ -561,5 +562,13 @@ def _build_tower(tower_cfg: dict) -> nn.Module:
 
 def load_artifact(artifact_dir: str | os.PathLike, cfg: ServingConfig | None = None,
                   tower_builder: Callable[[dict], nn.Module] | None = None) -> Ranker:
-    """Verify and load an exported artifact into a `Ranker` (no pickle: JSON + safetensors)."""
-    return Ranker(load_artifact_contents(Path(artifact_dir)), cfg, tower_builder)
+    """Verify and load an exported artifact into a `Ranker` (no pickle: JSON + safetensors).
+    Refused if the directory is replaced meanwhile (`genrec export --overwrite` renames the
+    new one into place): its files would be read under the manifest verified before."""
+    root = Path(artifact_dir)
+    before = directory_identity(root)
+    ranker = Ranker(load_artifact_contents(root), cfg, tower_builder)
+    if directory_identity(root) != before:
+        raise ValueError(f"{root}: the artifact directory was replaced while it was loaded (an export "
+                         "published over it); load it again")
+    return ranker

@@ -338,7 +338,9 @@ def _bearer_matches(header: str | None, token: str) -> bool:
     if not header:
         return False
     scheme, _, value = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
+    # A header's bytes arrive decoded as latin-1: compared as those bytes, a token with
+    # non-ASCII characters matches what a client sends from the (UTF-8) token file.
+    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode("latin-1"), token.encode())
 
 
 def create_app(artifact_dir: str | Path, *, serving_cfg: ServingConfig | None = None, max_batch_size: int = 16,

@@ -129,6 +129,9 @@ _BAD_MANIFESTS = [
     (lambda m: _drop(m["feature_dims"], "category_id"), "feature_dims.category_id"),
     (lambda m: m["feature_dims"].update(advertiser_id="16"), "feature_dims.advertiser_id"),
     (lambda m: m["tables"]["t_category_id"].update(features=[]), "category_id"),
+    (lambda m: m.update(item_index=[300]), "item_index"),
+    (lambda m: m["item_index"].update(ann="ivf"), "item_index"),
+    (lambda m: m["item_index"].update(ann=""), "item_index"),
 ]
 
 
@@ -426,3 +429,23 @@ def test_a_table_narrower_than_its_features_dimension_is_refused_at_load(model_a
     (art / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="tables/t_category_id.safetensors"):
         ranker_module.load_artifact(art)
+
+
+def test_an_artifact_replaced_while_it_loads_is_refused(model_and_items, tmp_path, monkeypatch):
+    """`genrec export --overwrite` renames a new artifact over the served one. A load that
+    has verified the old manifest must not then read the new files under it: another model
+    would serve under the old version and fingerprint (and take the old one's deltas)."""
+    served = _export(model_and_items, tmp_path / "served")
+    other = build_synthetic_model(num_items=300, dim=16, max_seq_len=64, seed=1)
+    verify = artifact_module.verify_artifact
+
+    def verified_then_replaced(root):
+        manifest = verify(root)
+        _export(other, served, overwrite=True)  # published between the checksums and the reads
+        return manifest
+
+    monkeypatch.setattr(artifact_module, "verify_artifact", verified_then_replaced)
+    with pytest.raises(ValueError, match="replaced while it was loaded"):
+        ranker_module.load_artifact(served)
+    monkeypatch.setattr(artifact_module, "verify_artifact", verify)
+    assert ranker_module.load_artifact(served).version == "v-test"  # loaded again: one artifact, whole

@@ -208,3 +208,22 @@ def test_patches_merge_with_the_later_delta_winning():
     assert second.ids_N.tolist() == [2, 4, 7, 9]
     assert second.live_N.tolist() == [False, True, True, True]
     assert second.rows_ND.flatten().tolist() == [0.0, 4.0, 7.0, 9.0]
+
+
+def test_a_delta_replaced_while_it_is_read_is_refused(versions, tmp_path, monkeypatch):
+    """A delta exported with --overwrite over the one being applied: the files read after
+    the checksums must not be the other delta's under the verified manifest's base."""
+    from genrec.models.serving import delta as delta_module
+
+    d = tmp_path / "d"
+    shutil.copytree(versions["deltas"]["v2"], d)
+    verify = delta_module.verify_files
+
+    def verified_then_replaced(root, manifest):
+        verify(root, manifest)
+        write_delta(versions["arts"]["v3"], versions["arts"]["v2"], d, overwrite=True)
+
+    monkeypatch.setattr(delta_module, "verify_files", verified_then_replaced)
+    base = load_artifact(versions["arts"]["v1"], CFG)
+    with pytest.raises(ValueError, match="replaced while it was read"):
+        apply_delta(base.contents, d)

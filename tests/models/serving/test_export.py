@@ -93,3 +93,27 @@ def test_export_flags_reach_export_checkpoint(monkeypatch):
                  "--dtype", "int8"]) == 0
     assert seen == {"ckpt": "run", "dtype": "int8", "version": "release-7", "data_dir": "d", "overwrite": False,
                     "retrieval_index": "auto", "delta_since": None}
+
+
+def test_a_killed_delta_export_leaves_no_copy_of_the_artifact_for_good(moved_run, tmp_path):
+    """A delta is diffed from a full artifact written aside. An export killed before it
+    removes that copy (kill -9, an OOM kill) leaves it, the size of the whole artifact: the
+    next export to the same output removes it, as it does an abandoned staging folder."""
+    import signal
+    import subprocess
+    import sys
+
+    run, data = moved_run
+    base = tmp_path / "base"
+    export_checkpoint(run, base, dtype="int8", data_dir=data)
+    out = tmp_path / "deltas" / "d1"
+    killed = ("import os, signal\n"
+              "import genrec.models.serving.export as export\n"
+              "export.write_delta = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+              f"export.export_checkpoint({str(run)!r}, {str(out)!r}, data_dir={str(data)!r}, "
+              f"delta_since={str(base)!r})\n")
+    proc = subprocess.run([sys.executable, "-c", killed], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert [p.name for p in out.parent.iterdir() if p.name != "d1"], "the killed export left nothing to remove"
+    export_checkpoint(run, out, data_dir=data, delta_since=base)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["d1"]

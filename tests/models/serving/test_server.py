@@ -424,6 +424,20 @@ def test_reload_is_off_without_a_token(artifacts):
         assert c.get("/healthz").json()["model_version"] == "v1"
 
 
+def test_a_token_with_non_ascii_characters_authorizes_as_clients_send_it(artifacts, tmp_path):
+    """`curl -H "Authorization: Bearer $(cat FILE)"` sends the token file's UTF-8 bytes."""
+    path = tmp_path / "token"
+    path.write_text("jeton-de-rechargement-\u00e9t\u00e9-\u20ac\n", encoding="utf-8")
+    path.chmod(0o600)
+    token = read_reload_token(path)
+    app = create_app(artifacts["v1"], reload_token=token, reload_dirs=[artifacts["root"]])
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+        sent = {"Authorization": b"Bearer " + token.encode("utf-8")}
+        assert c.post("/admin/reload", json={}, headers=sent).status_code == 200
+        wrong = {"Authorization": b"Bearer " + token[:-1].encode("utf-8") + b"x"}
+        assert c.post("/admin/reload", json={}, headers=wrong).status_code == 401
+
+
 def test_reload_token_comes_from_a_file_or_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     assert read_reload_token(None) is None
