@@ -95,7 +95,7 @@ class TrainConfig:
     """Train for this many passes over the training split instead of `max_steps` (steps per
     epoch: training rows / (batch size * ranks), rounded up)."""
     seed: int = 0
-    """Seeds parameters, negative sampling and the data order."""
+    """Seeds parameters, dropout and negative sampling. The data order is `data.loader.seed`'s."""
     deterministic: bool = True
     """Deterministic kernels and data order: a resumed run repeats the same losses."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"

@@ -40,8 +40,8 @@ Memory: one batch of rows at a time plus, per model, one rank per user and one
 Bad input (a checkpoint whose features are not in the data, an empty split, labels other
 than 0 / 1, NaN scores) raises ValueError before the report is written: no report appears.
 
-A checkpoint is a run directory or a step directory (`models.inference.load_trained`), or an
-exported serving artifact (`models.artifact`; its fp32 / fp16 / int8 tables are the rows).
+A checkpoint is a run directory or a step directory (`models.runs.load_trained`), or an
+exported serving artifact (`models.serving.artifact`; its fp32 / fp16 / int8 tables are the rows).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Layout (every file listed in the manifest with its sha256 and size):
       tower.pt2                  the tower's full forward as a `torch.export` program
       tables/<table>.safetensors one embedding table: `ids` (int64, sorted: the id index),
                                  `rows` (fp32 / fp16 / uint8) and for int8 `scale_bias` [N, 2]
-      item_index.safetensors     retrieval index: `item_ids` (sorted), normalized item rows
+      item_index.safetensors     retrieval index: `item_ids` (sorted), item rows (L2-normalized
+                                 under `model.similarity = "cosine"`, raw under "dot")
                                  `embeddings` (fp32 / fp16, or for int8 symmetric int8 rows
                                  with a per-row `scale`, the layout FBGEMM's int8 GEMM takes)
                                  and each candidate side feature (`feature.<name>`) of every item
