@@ -26,6 +26,21 @@ VALIDATION_METRICS = ("hr@10", "ndcg@10", "mrr")
 """What the trainer's validation reports (and may select the best checkpoint by)."""
 
 
+def check_validation_settings(best_metric: str | None, early_stop_patience: int, retrieval: bool) -> None:
+    """ValueError naming the key, before training starts, for a `train.best_metric` that
+    validation does not compute, and for a `train.early_stop_patience` that could never
+    stop the run: it counts validations without a new best metric, and there is none
+    without a best metric, or without a retrieval head (validation scores retrieval only)."""
+    if best_metric is not None and best_metric not in VALIDATION_METRICS:
+        raise ValueError(f"train.best_metric {best_metric!r} is not computed by validation; "
+                         f"choose one of {list(VALIDATION_METRICS)} or none")
+    if early_stop_patience and (best_metric is None or not retrieval):
+        why = "train.best_metric is none" if best_metric is None else "model.retrieval is off"
+        raise ValueError(f"train.early_stop_patience = {early_stop_patience} would never stop the run: it counts "
+                         f"validations without a new best train.best_metric, and {why}, so validation computes "
+                         "no best; set train.early_stop_patience = 0")
+
+
 def validation_batch_size(train_batch_size: int, num_items: int, max_scores: int = 1 << 26, cap: int = 2048) -> int:
     """Users per validation batch: one [users, corpus] score block stays under `max_scores`
     floats, never below the training batch size nor above `cap`."""

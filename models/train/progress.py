@@ -27,6 +27,7 @@ and the last line for a step is the one that counts.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,19 @@ def _scalar(key: str, value: Any) -> float | int:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"metric {key!r} must be a number, got {type(value).__name__}")
     return value
+
+
+def _drop_partial_line(path: Path) -> None:
+    """Cut `path` back to its last complete line: a write cut short (a full disk, a crash)
+    leaves a record without its newline, which the next run's first line would otherwise
+    extend into one line that parses as neither. Its step was not checkpointed (a record is
+    written before its step's checkpoint), so the resumed run logs it again."""
+    try:
+        data = path.read_bytes()  # read once per run start: a record a logged step, ~200 bytes
+    except FileNotFoundError:
+        return
+    if data and not data.endswith(b"\n"):
+        os.truncate(path, data.rfind(b"\n") + 1)
 
 
 class ProgressLogger:
@@ -75,6 +89,7 @@ class ProgressLogger:
                     "(or turn TensorBoard logging off)"
                 ) from e
             self._writer = SummaryWriter(log_dir=str(out / "tensorboard"), flush_secs=30)
+        _drop_partial_line(out / "metrics.jsonl")
         self._jsonl = open(out / "metrics.jsonl", "a", encoding="utf-8")
         self._bar = tqdm(total=total_steps, initial=start_step, file=sys.stderr, dynamic_ncols=True,
                          unit="step", desc="train")

@@ -52,10 +52,11 @@ from genrec.models.train.resume import (
 from genrec.models.config import JobConfig
 from genrec.models.ranks import DistInfo, all_reduce_sum, any_rank
 from genrec.models.train.distributed import bind_to_cores, init_distributed, local_cores, shutdown
+from genrec.models.train.guards import check_finite_step
 from genrec.models.train.progress import ProgressLogger
 from genrec.models.train.schedule import build_dense_optimizer, warmup_cosine
 from genrec.models.evaluation.validation import (
-    VALIDATION_KS, VALIDATION_METRICS, empty_batch, evaluate_retrieval, validation_batch_size,
+    VALIDATION_KS, check_validation_settings, empty_batch, evaluate_retrieval, validation_batch_size,
 )
 
 
@@ -130,9 +131,7 @@ class Trainer:
             raise ValueError("train.precision = 'fp16' needs loss scaling, and the sparse store steps its rows inside "
                              "backward, on the scaled gradients, with no way to skip a step that overflowed: use "
                              "'bf16' (what 'auto' chooses on CUDA)")
-        if tc.best_metric is not None and tc.best_metric not in VALIDATION_METRICS:
-            raise ValueError(f"train.best_metric {tc.best_metric!r} is not computed by validation; "
-                             f"choose one of {list(VALIDATION_METRICS)} or none")
+        check_validation_settings(tc.best_metric, tc.early_stop_patience, cfg.model.retrieval)
         if tc.optim.warmup_steps > tc.max_steps:
             if dist_info.is_main:
                 print(f"genrec train: train.optim.warmup_steps ({tc.optim.warmup_steps}) is longer than the run; "
@@ -273,6 +272,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.store.finish_row_updates()  # their gradients travelled during the dense step
         parts["loss"] = float(loss.detach())
+        check_finite_step(parts, step=self.step + 1)
         return parts
 
     def read_ahead_next(self, upcoming) -> None:

@@ -71,3 +71,14 @@ def test_rate_meter() -> None:
     assert r["tokens_per_s"] == pytest.approx(5 * r["samples_per_s"])  # counts summed since last tick
     assert 0 < r["samples_per_s"] < 200 / 0.05
     assert rate.tick() == {}
+
+
+def test_a_record_cut_short_is_dropped_not_joined_to_the_next(tmp_path: Path) -> None:
+    """A run killed (or out of disk) mid-write leaves a last line without its newline; the
+    resumed run's first record must start a line of its own, every line parsing."""
+    complete = json.dumps({"step": 1, "loss": 2.0}) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(complete + '{"step": 2, "lo')
+    with ProgressLogger(tmp_path, total_steps=4, rank=0, enable_tensorboard=False, start_step=1) as p:
+        p.log(2, {"loss": 1.5})
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 2.0), (2, 1.5)]

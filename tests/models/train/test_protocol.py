@@ -3,6 +3,7 @@ checkpoint kept and evaluated, early stopping; and the retrieval losses' negativ
 
 import gc
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from genrec.data.prepare import load_manifest
 from genrec.models.config_loader import to_dict
-from genrec.models.runs import BEST_FILE, check_marker, resolve_checkpoint
+from genrec.models.runs import BEST_FILE, check_marker, complete_steps, resolve_checkpoint
 from train_helpers import tiny_config
 
 
@@ -169,6 +170,20 @@ def _batch(cfg, prepared):
     return next(iter(make_loader(prepared / "train", cfg.data.features, cfg.data.loader)))
 
 
+@pytest.mark.parametrize("setting", [{"best_metric": None}, {"retrieval": False}])
+def test_an_early_stop_patience_that_could_never_stop_is_an_error_at_start(prepared, tmp_path, setting):
+    """Patience counts validations without a new best metric: with no best metric, or no
+    retrieval head to validate, there is none, and the run silently went on to max_steps."""
+    from genrec.models.train.trainer import run_training
+
+    cfg = tiny_config(prepared, tmp_path / "run", max_steps=8, eval_every=1, early_stop_patience=1,
+                      best_metric=setting.get("best_metric", "ndcg@10"))
+    cfg.model.retrieval = setting.get("retrieval", True)
+    with pytest.raises(ValueError, match="train.early_stop_patience = 1 would never stop the run"):
+        run_training(cfg)
+    assert not (tmp_path / "run").exists()  # refused before the run folder was made
+
+
 @pytest.mark.parametrize("negatives", ["shared", "per_position", "in_batch", "full"])
 def test_every_negative_mode_trains(prepared, tmp_path, negatives):
     cfg, net = _model(prepared, tmp_path, negatives=negatives)
@@ -178,6 +193,30 @@ def test_every_negative_mode_trains(prepared, tmp_path, negatives):
     loss.backward()
     grads = [p.grad for n, p in net.named_parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("retrieval", [True, False])
+def test_a_non_finite_loss_stops_the_run_at_its_step_before_any_checkpoint_of_it(prepared, tmp_path, retrieval):
+    """Learning rates far too high turn the loss into NaN within a few steps: the run stops
+    there with an error naming the step, neither training on NaN (checkpointing NaN weights,
+    which a resume would start from) to a validation error that names no step nor, with no
+    retrieval validation, to an end that looks like success."""
+    from genrec.models.train.trainer import run_training
+
+    cfg = tiny_config(prepared, tmp_path / "run", max_steps=8, checkpoint_every=1, eval_every=4)
+    cfg.model.retrieval = retrieval
+    cfg.train.optim.lr, cfg.train.optim.grad_clip_norm = 1e30, None
+    for table in cfg.sparse.tables:
+        table.learning_rate = 1e30
+    with pytest.raises(ValueError, match=r"training loss of step \d+ is not finite"):
+        run_training(cfg)
+    losses = [r["loss"] for r in _records(tmp_path / "run") if "loss" in r]
+    assert losses and all(math.isfinite(x) for x in losses)
+    saved = complete_steps(tmp_path / "run" / "checkpoints")
+    assert [step for step, _ in saved] == list(range(1, len(losses) + 1))[-cfg.train.keep_checkpoints:]
+    for _, path in saved:
+        dense = torch.load(path / "dense.pt", weights_only=True)["model"]
+        assert all(torch.isfinite(v).all() for v in dense.values() if v.is_floating_point())
 
 
 @pytest.mark.parametrize("retrieval", [True, False])
