@@ -13,9 +13,9 @@ with the runs of each recipe). Reports:
     ci_excludes_0                               the target: HSTU ahead, its interval above 0
     per_seed                                    test figures and best validation NDCG@10
 
-N is `GENREC_BENCH_SEEDS` (default 8, about 25 minutes on 2 cores); `--quick` runs 2 seeds
-of 10 epochs. The file is `../shared/data/ml-100k/u.data` beside the repository, or
-`GENREC_ML100K_UDATA`.
+N is `GENREC_BENCH_SEEDS` (default 16, the README's comparison: about an hour on 2
+cores); `--quick` runs 2 seeds of 10 epochs. The file is `../shared/data/ml-100k/u.data`
+beside the repository, or `GENREC_ML100K_UDATA`.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def run(quick: bool = False) -> dict:
     if not ML100K.is_file():
         raise FileNotFoundError(f"bench quality-ml100k needs MovieLens-100K: {ML100K} not found "
                                 "(set GENREC_ML100K_UDATA)")
-    seeds = list(range(2 if quick else int(os.environ.get("GENREC_BENCH_SEEDS", "8"))))
+    seeds = list(range(2 if quick else int(os.environ.get("GENREC_BENCH_SEEDS", "16"))))
     if len(seeds) < 2:
         raise ValueError("bench quality-ml100k: GENREC_BENCH_SEEDS must be at least 2 (a median of seeds)")
     load_before = os.getloadavg()
