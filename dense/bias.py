@@ -32,7 +32,9 @@ def time_thresholds(num_buckets: int, divisor: float) -> torch.Tensor:
         mid = lo + (hi - lo) // 2  # lo + hi would overflow int64
         ok = time_buckets(mid, num_buckets, divisor) >= target
         hi = torch.where(ok, mid, hi)
-        lo = torch.where(ok, lo, mid + 1)
+        # A lane already found (lo == hi, the last one int64 max) stays: mid + 1 would wrap
+        # to int64 min there, and the loop would never see every lane done.
+        lo = torch.where(ok | (lo >= hi), lo, mid + 1)
         if bool((lo >= hi).all()):
             break
     thr = torch.where(reachable, hi, torch.full_like(hi, 2**63 - 1))

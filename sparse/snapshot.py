@@ -231,12 +231,15 @@ def save_snapshot(module, path: str, *, max_deltas: int = 0) -> list[str]:
         dist.broadcast_object_list(token, src=0, group=module.group)
     version, base = token
     vdir = os.path.join(path, f"v{version}")
-    try:
-        os.makedirs(vdir, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot create snapshot directory {vdir}: {e}") from None
     shards, written, failure = {}, [], None
     try:
+        try:
+            os.makedirs(vdir, exist_ok=True)
+        except OSError as e:
+            if world == 1:  # no rank to wait for it
+                raise ValueError(f"cannot create snapshot directory {vdir}: {e}") from None
+            # A full disk can refuse the folder on one rank: the others learn it at the gather.
+            raise OSError(e.errno, f"cannot create snapshot directory {vdir}: {e.strerror}") from None
         for name, store in module.stores.items():
             stem = os.path.join(vdir, f"{name}.rank{rank}")
             writers = {k: _Writer(f"{stem}.{k}.bin") for k in ("ids", "rows", "meta")}

@@ -214,7 +214,7 @@ class TableStore:
     def _promote(self, ids_P, tier_P, slot_P, rows_PW, meta_P3) -> None:
         """Move rows found below the device tier up to it (freeing their old slots)."""
         target = self._top_tier()
-        self.tiers[2].reserve_for(len(ids_P), self.tiers[:2], target, 256 if self.native else 32)  # a full disk fails here
+        self.tiers[2].reserve_for(len(ids_P), self.tiers[:2], target, 256 if self.native else 32, int((tier_P == 2).sum()))
         self._detach(ids_P)
         for t in (1, 2):
             self.tiers[t].free(slot_P[tier_P == t])

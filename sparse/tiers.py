@@ -432,15 +432,16 @@ class Tier:
         while self.growable and self._num_free < n:
             self._grow()
 
-    def reserve_for(self, n: int, caches: list[Tier], top: int, mark_div: int) -> None:
+    def reserve_for(self, n: int, caches: list[Tier], top: int, mark_div: int, freed: int = 0) -> None:
         """Grow this (SSD) tier by all that placing n rows in cache `top` can push down to it,
         before any row leaves its slot (TableStore._promote), so that a full disk fails the
         call with every row still in place instead of rows already out of the caches and
         nowhere: the rows and each cache's watermark of extra victims (capacity // mark_div;
         the host's twice: it takes the device's victims and its overflow in two placements).
-        Nothing when cache `top` has room for them all."""
+        Nothing when cache `top` has room for them all. `freed`: this tier's slots the call
+        frees before placing (the promoted rows' own), which the pushed-down rows reuse."""
         if n > caches[top].num_free():
-            self.reserve(n + caches[0].capacity // mark_div + 2 * (caches[1].capacity // mark_div))
+            self.reserve(n + caches[0].capacity // mark_div + 2 * (caches[1].capacity // mark_div) - freed)
 
     def alloc(self, n: int) -> torch.Tensor:
         self.reserve(n)

@@ -26,19 +26,22 @@ VALIDATION_METRICS = ("hr@10", "ndcg@10", "mrr")
 """What the trainer's validation reports (and may select the best checkpoint by)."""
 
 
-def check_validation_settings(best_metric: str | None, early_stop_patience: int, retrieval: bool) -> None:
+def check_validation_settings(best_metric: str | None, early_stop_patience: int, retrieval: bool,
+                              validates: bool = True) -> None:
     """ValueError naming the key, before training starts, for a `train.best_metric` that
     validation does not compute, and for a `train.early_stop_patience` that could never
     stop the run: it counts validations without a new best metric, and there is none
-    without a best metric, or without a retrieval head (validation scores retrieval only)."""
+    without a best metric, without a retrieval head (validation scores retrieval only), or
+    without validations (`validates` false: train.eval_every and eval_every_epochs both 0)."""
     if best_metric is not None and best_metric not in VALIDATION_METRICS:
         raise ValueError(f"train.best_metric {best_metric!r} is not computed by validation; "
                          f"choose one of {list(VALIDATION_METRICS)} or none")
-    if early_stop_patience and (best_metric is None or not retrieval):
-        why = "train.best_metric is none" if best_metric is None else "model.retrieval is off"
+    if early_stop_patience and (best_metric is None or not retrieval or not validates):
+        why = ("train.best_metric is none" if best_metric is None else "model.retrieval is off" if not retrieval
+               else "train.eval_every and train.eval_every_epochs are 0 (one validation, at the end)")
         raise ValueError(f"train.early_stop_patience = {early_stop_patience} would never stop the run: it counts "
-                         f"validations without a new best train.best_metric, and {why}, so validation computes "
-                         "no best; set train.early_stop_patience = 0")
+                         f"validations without a new best train.best_metric, and {why}; set "
+                         "train.early_stop_patience = 0")
 
 
 def validation_batch_size(train_batch_size: int, num_items: int, max_scores: int = 1 << 26, cap: int = 2048) -> int:

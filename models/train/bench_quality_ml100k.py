@@ -58,6 +58,7 @@ def _train_all(root: Path, data: Path, seeds: list[int], quick: bool) -> None:
         if proc.wait() != 0:
             for other, _ in running:
                 other.kill()
+                other.wait()  # gone before the temporary folder it writes in is removed
             tail = "\n".join(log.read_text().splitlines()[-20:])
             raise RuntimeError(f"bench quality-ml100k: {log.stem} failed (exit {proc.returncode}):\n{tail}")
 
@@ -76,7 +77,10 @@ def run(quick: bool = False) -> dict:
     if not ML100K.is_file():
         raise FileNotFoundError(f"bench quality-ml100k needs MovieLens-100K: {ML100K} not found "
                                 "(set GENREC_ML100K_UDATA)")
-    seeds = list(range(2 if quick else int(os.environ.get("GENREC_BENCH_SEEDS", "16"))))
+    raw = os.environ.get("GENREC_BENCH_SEEDS", "16")
+    if not (quick or raw.strip().isdigit()):
+        raise ValueError(f"bench quality-ml100k: GENREC_BENCH_SEEDS must be a whole number of seeds, got {raw!r}")
+    seeds = list(range(2 if quick else int(raw)))
     if len(seeds) < 2:
         raise ValueError("bench quality-ml100k: GENREC_BENCH_SEEDS must be at least 2 (a median of seeds)")
     load_before = os.getloadavg()

@@ -53,11 +53,14 @@ def _drop_partial_line(path: Path) -> None:
     extend into one line that parses as neither. Its step was not checkpointed (a record is
     written before its step's checkpoint), so the resumed run logs it again."""
     try:
-        data = path.read_bytes()  # read once per run start: a record a logged step, ~200 bytes
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - 65536))  # a record is a few hundred bytes: its start is in here
+            tail = f.read()
+            if tail and not tail.endswith(b"\n"):
+                f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
     except FileNotFoundError:
-        return
-    if data and not data.endswith(b"\n"):
-        os.truncate(path, data.rfind(b"\n") + 1)
+        pass
 
 
 class ProgressLogger:

@@ -131,7 +131,8 @@ class Trainer:
             raise ValueError("train.precision = 'fp16' needs loss scaling, and the sparse store steps its rows inside "
                              "backward, on the scaled gradients, with no way to skip a step that overflowed: use "
                              "'bf16' (what 'auto' chooses on CUDA)")
-        check_validation_settings(tc.best_metric, tc.early_stop_patience, cfg.model.retrieval)
+        check_validation_settings(tc.best_metric, tc.early_stop_patience, cfg.model.retrieval,
+                                  bool(tc.eval_every or tc.eval_every_epochs))
         if tc.optim.warmup_steps > tc.max_steps:
             if dist_info.is_main:
                 print(f"genrec train: train.optim.warmup_steps ({tc.optim.warmup_steps}) is longer than the run; "

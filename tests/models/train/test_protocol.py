@@ -170,14 +170,15 @@ def _batch(cfg, prepared):
     return next(iter(make_loader(prepared / "train", cfg.data.features, cfg.data.loader)))
 
 
-@pytest.mark.parametrize("setting", [{"best_metric": None}, {"retrieval": False}])
+@pytest.mark.parametrize("setting", [{"best_metric": None}, {"retrieval": False}, {"eval_every": 0}])
 def test_an_early_stop_patience_that_could_never_stop_is_an_error_at_start(prepared, tmp_path, setting):
-    """Patience counts validations without a new best metric: with no best metric, or no
-    retrieval head to validate, there is none, and the run silently went on to max_steps."""
+    """Patience counts validations without a new best metric: with no best metric, no
+    retrieval head to validate, or no validation before the end, there is none to count,
+    and the run silently went on to max_steps."""
     from genrec.models.train.trainer import run_training
 
-    cfg = tiny_config(prepared, tmp_path / "run", max_steps=8, eval_every=1, early_stop_patience=1,
-                      best_metric=setting.get("best_metric", "ndcg@10"))
+    cfg = tiny_config(prepared, tmp_path / "run", max_steps=8, eval_every=setting.get("eval_every", 1),
+                      early_stop_patience=1, best_metric=setting.get("best_metric", "ndcg@10"))
     cfg.model.retrieval = setting.get("retrieval", True)
     with pytest.raises(ValueError, match="train.early_stop_patience = 1 would never stop the run"):
         run_training(cfg)
