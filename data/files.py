@@ -19,6 +19,7 @@ did not write.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -29,6 +30,7 @@ import socket
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 
@@ -217,14 +219,24 @@ def remove_abandoned(out: Path) -> list[Path]:
 
 
 def directory_identity(path: str | os.PathLike) -> tuple[int, int] | None:
-    """(device, inode) of the folder at `path` now, links followed; None where there is none.
-    A reader compares it before and after reading an output's files: `publish_dir` renames a
-    new folder into place, and files opened by path meanwhile would mix the two."""
+    """(device, inode) of the folder at `path` now, links followed; None where there is none."""
     try:
         st = os.stat(path)
     except OSError:
         return None
     return st.st_dev, st.st_ino
+
+
+@contextlib.contextmanager
+def unreplaced(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Reading an output's files by path: `publish_dir` may rename a new folder into place
+    meanwhile, and the files read would mix the two. Raises ValueError (naming `what`) if the
+    folder at `path` is not the same one after the block as before it."""
+    before = directory_identity(path)
+    yield
+    if directory_identity(path) != before:
+        raise ValueError(f"{what} {path}: the directory was replaced while it was read (an export published "
+                         "over it); read it again")
 
 
 def staging_dir(out: Path) -> Path:

@@ -58,6 +58,10 @@ from genrec.data.partwriter import PartWriter
 from genrec.data.schema import ACTION_CLICK, ACTION_CONVERSION, ACTION_IMPRESSION
 
 MANIFEST_NAME = "synth_manifest.json"
+FLAGS = {"num_users": "--users", "num_items": "--items", "num_events": "--events"}
+"""`genrec synth`'s flag for each size, named in the errors."""
+MAX_COUNT = 1 << 62
+"""Largest size any argument may take."""
 COLUMNS = ["user_id", "ts", "item_id", "action", "advertiser_id", "campaign_id", "category_id",
            "slot", "device", "click", "conversion"]
 
@@ -373,11 +377,14 @@ def _validate(num_users: int, num_items: int, num_events: int, events_per_file: 
               cfg: SynthConfig) -> None:
     for name, value in (("num_users", num_users), ("num_items", num_items), ("num_events", num_events),
                         ("events_per_file", events_per_file)):
+        flag = f" ({FLAGS[name]})" if name in FLAGS else ""
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"synthesize: {name} must be a positive integer, got {value!r}")
+            raise ValueError(f"synthesize: {name}{flag} must be a positive integer, got {value!r}")
+        if value > MAX_COUNT:  # numpy's counts are int64: larger ones fail deep inside with an OverflowError
+            raise ValueError(f"synthesize: {name}{flag} must be at most 2**62, got {value!r}")
     if num_events < num_users:
         raise ValueError(f"synthesize: num_events ({num_events}) must be >= num_users ({num_users}); "
-                         "every user gets at least one event")
+                         "every user gets at least one event (--events, --users)")
     if not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"synthesize: seed must be a non-negative integer, got {seed!r}")
     if not 0 < cfg.base_ctr < 1 or not 0 < cfg.conversion_rate < 1:
@@ -406,16 +413,18 @@ def synthesize(out_dir: str | os.PathLike, *, num_users: int, num_items: int, nu
     claim_output_dir(out_dir, overwrite=overwrite, manifest=MANIFEST_NAME)
     started = time.perf_counter()
     world_rng = np.random.default_rng(np.random.SeedSequence([seed, 0]))
-    world = _World(world_rng, num_items, cfg)
-
-    # Per-user event counts: 1 each plus a log-normal-weighted multinomial share of the rest.
-    weights = world_rng.lognormal(0.0, cfg.user_length_sigma, num_users)
-    lengths_U = 1 + world_rng.multinomial(num_events - num_users, weights / weights.sum())
-    user_ids = _ids(world_rng, num_users, cfg.sparse_ids)
-    cum = np.cumsum(lengths_U)
-    # Chunk c holds users [bounds[c], bounds[c+1]): cut where the running count crosses a multiple of events_per_file.
-    cuts = np.searchsorted(cum, np.arange(events_per_file, num_events, events_per_file), "left") + 1
-    bounds = np.unique(np.r_[0, cuts, num_users])
+    try:
+        world = _World(world_rng, num_items, cfg)
+        # Per-user event counts: 1 each plus a log-normal-weighted multinomial share of the rest.
+        weights = world_rng.lognormal(0.0, cfg.user_length_sigma, num_users)
+        lengths_U = 1 + world_rng.multinomial(num_events - num_users, weights / weights.sum())
+        user_ids = _ids(world_rng, num_users, cfg.sparse_ids)
+        cum = np.cumsum(lengths_U)
+        # Chunk c holds users [bounds[c], bounds[c+1]): cut where the running count crosses a multiple of events_per_file.
+        cuts = np.searchsorted(cum, np.arange(events_per_file, num_events, events_per_file), "left") + 1
+        bounds = np.unique(np.r_[0, cuts, num_users])
+    except MemoryError as e:
+        raise _too_large(e, num_users, num_items, num_events) from None
 
     impressions_N = np.zeros(num_items, np.int64)
     clicks_N = np.zeros(num_items, np.int64)
@@ -429,7 +438,10 @@ def synthesize(out_dir: str | os.PathLike, *, num_users: int, num_items: int, nu
         for c in range(bounds.size - 1):
             u0, u1 = int(bounds[c]), int(bounds[c + 1])
             rng = np.random.default_rng(np.random.SeedSequence([seed, 1, c]))
-            chunk = _generate_chunk(world, cfg, rng, lengths_U[u0:u1])
+            try:
+                chunk = _generate_chunk(world, cfg, rng, lengths_U[u0:u1])
+            except MemoryError as e:  # a few users with very many events each
+                raise _too_large(e, num_users, num_items, num_events) from None
             n = chunk.ts.size
             impressions_N += np.bincount(chunk.ad, minlength=num_items)
             clicks_N += np.bincount(chunk.ad, weights=chunk.click, minlength=num_items).astype(np.int64)
@@ -452,6 +464,13 @@ def synthesize(out_dir: str | os.PathLike, *, num_users: int, num_items: int, nu
         manifest = {**manifest, "files": list(writer.files), "complete": True}
     seconds = time.perf_counter() - started
     return {**manifest, "out_dir": str(out_dir), "seconds": seconds, "events_per_s": num_events / seconds}
+
+
+def _too_large(e: MemoryError, num_users: int, num_items: int, num_events: int) -> ValueError:
+    """numpy's MemoryError names an array shape, not the argument that asked for it."""
+    return ValueError(f"synthesize: not enough memory for --users {num_users:,} --items {num_items:,} --events "
+                      f"{num_events:,} (memory grows with the users, the items and the events of the longest "
+                      f"user): {e}")
 
 
 def _last_click_category_match(chunk: _Chunk, world: _World) -> tuple[np.ndarray, np.ndarray]:

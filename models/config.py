@@ -183,6 +183,11 @@ class JobConfig:
         _check("model", self.model, positive=("temperature", "contrastive_temperature", "num_negatives",
                                               "full_softmax_max_items", "ranking_hidden_dim"),
                nonnegative=("retrieval_weight", "contrastive_weight", "task_weights"))
+        features = self.data.features
+        if self.model.retrieval and self.model.min_target_action is not None and features.action not in features.sparse:
+            # the loader reads only the sparse columns: a KeyError at the first step otherwise
+            raise ValueError(f"model.min_target_action reads each event's action, but data.features.action "
+                             f"({features.action!r}) is not in data.features.sparse {features.sparse}")
         _check("data.loader", self.data.loader, positive=("batch_size", "max_seq_len", "num_candidates",
                                                           "prefetch_factor"),
                nonnegative=("stochastic_length_min", "num_workers", "seed"),  # seed: numpy's error named no key

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
@@ -351,13 +352,13 @@ class GenerativeRecommender(nn.Module):
             draws = torch.randint(len(self.item_corpus), (P * cfg.num_negatives,))
             neg_ids = self.item_corpus[draws].to(device)
         elif cfg.negatives == "shared":
-            neg_ids = self.item_corpus[torch.randint(len(self.item_corpus), (cfg.num_negatives,))].to(device)
+            neg_ids = _rank0s(self.item_corpus[torch.randint(len(self.item_corpus), (cfg.num_negatives,))].to(device))
         else:  # in-batch only: no lookup, on every rank alike
             neg_ids = item_ids_T.new_zeros(0)
         if corpus_rows_ND is not None and cfg.negatives == "full":
             neg_rows = corpus_rows_ND
         else:
-            # Shared negatives: every rank draws the same (one seed); per position: its own,
+            # Shared negatives: rank 0's draw on every rank (`_rank0s`); per position: its own,
             # none on a rank without positions, which still makes the lookup (a collective).
             neg_rows = (self.item_rows(neg_ids, replicated=cfg.negatives == "shared") if cfg.negatives != "in_batch"
                         else states_TD.new_zeros(0, self.dim))
@@ -524,6 +525,16 @@ def _request_time(batch: Batch, cand_lengths_B: torch.Tensor) -> torch.Tensor:
     if not ts_C.numel():
         return own_B
     return torch.where(cand_lengths_B > 0, ts_C[first_B.clamp(max=ts_C.numel() - 1)], own_B)
+
+
+def _rank0s(ids_K: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `ids_K` on every rank (in place; one rank: as is). The ranks start from one
+    seed, but dropout over each rank's own number of tokens moves each one's torch RNG its own
+    way, so their draws differ from the first step on; the store counts a replicated lookup's
+    ids on rank 0 only, and the other ranks' pools went uncounted (admission, LFU)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(ids_K, src=0)
+    return ids_K
 
 
 def _without_candidates(batch: Batch) -> Batch:

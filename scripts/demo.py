@@ -6,12 +6,17 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
 DEMO_MANIFEST = "demo_manifest.json"
+DEMO_OUTPUTS = ("logs", "data", "run", "artifact", "report")
+"""What the demo writes into --out beside its manifest (and, while a step runs, that step's
+hidden staging folder): `--overwrite` replaces a folder that holds nothing else."""
+_OWN = re.compile(rf"({'|'.join(DEMO_OUTPUTS)})|\.({'|'.join(DEMO_OUTPUTS)})\.(tmp|old)-.+")
 
 
 def _say(message: str) -> None:
@@ -19,7 +24,7 @@ def _say(message: str) -> None:
 
 
 def run_demo(out: str | Path, *, overwrite: bool = False, steps: int | None = None) -> dict:
-    from genrec.data.files import atomic_write_json, claim_output_dir
+    from genrec.data.files import OutputExistsError, atomic_write_json, claim_output_dir
     from genrec.data.prepare import prepare
     from genrec.data.synth import synthesize
     from genrec.models.config import JobConfig
@@ -31,6 +36,11 @@ def run_demo(out: str | Path, *, overwrite: bool = False, steps: int | None = No
     from genrec.models.train.trainer import run_training
 
     out = claim_output_dir(out, overwrite=overwrite, manifest=DEMO_MANIFEST)
+    foreign = sorted(p.name for p in out.iterdir() if p.name != DEMO_MANIFEST and not _OWN.fullmatch(p.name)) \
+        if out.is_dir() else []
+    if foreign:  # the demo's manifest lists no files: without this, replacing the folder would delete them
+        raise OutputExistsError(f"refusing to replace {out}: it holds {', '.join(foreign[:5])}, which the demo did "
+                                "not write and replacing it would delete; move them away or choose another --out")
     # Paths as TOML strings (json.dumps escapes a backslash or a quote in --out).
     overrides = [f"data.path={json.dumps(str(out / 'data'))}", f"train.out_dir={json.dumps(str(out / 'run'))}"]
     if steps is not None:

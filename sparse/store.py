@@ -74,7 +74,10 @@ class TableStore:
         # device hit: leave it in place instead of moving it up and another row down
         # (measured: moves dominated step time on Zipf streams). On CUDA host hits move up.
         self.keep_host_hits = device.type == "cpu"
-        self.kernels, self.native = kernels, kernels == "native"
+        # A full cache evicts capacity // mark_div rows beyond the need (a low watermark): 1/32 for the reference's
+        # O(capacity) search, so it runs every few steps; 1/256 for CLOCK, whose rows go to SSD slots freed a step or
+        # two ago, pages still cached (at 1/32 a host eviction read 35 MB of cold pages at `bench sparse` full size).
+        self.kernels, self.native, self.mark_div = kernels, kernels == "native", 256 if kernels == "native" else 32
         # Native row kernels read and write tier memory directly: CPU tiers only (on CUDA the
         # device tier's rows go through PyTorch; the index stays native).
         self.native_rows = self.native and device.type == "cpu"
@@ -178,10 +181,7 @@ class TableStore:
         if not tier.growable:
             free = tier.num_free()
             if n > free:
-                # Evict beyond the need (a low watermark): 1/32 of the tier for the reference's O(capacity) search,
-                # so it runs every few steps; 1/256 for CLOCK, whose rows go to SSD slots freed a step or two ago,
-                # pages still cached (at 1/32 a host eviction read 35 MB of cold pages at `genrec bench sparse` full size).
-                victims = self._victims(t, n - free + tier.capacity // (256 if self.native else 32))
+                victims = self._victims(t, n - free + tier.capacity // self.mark_div)
                 if victims.numel():
                     v_ids = tier.ids.gather(victims).squeeze(1)
                     v_rows, v_meta = tier.rows.gather(victims), tier.meta.gather(victims)
@@ -214,7 +214,7 @@ class TableStore:
     def _promote(self, ids_P, tier_P, slot_P, rows_PW, meta_P3) -> None:
         """Move rows found below the device tier up to it (freeing their old slots)."""
         target = self._top_tier()
-        self.tiers[2].reserve_for(len(ids_P), self.tiers[:2], target, 256 if self.native else 32, int((tier_P == 2).sum()))
+        self.tiers[2].reserve_for(len(ids_P), self.tiers[:2], target, self.mark_div, int((tier_P == 2).sum()))
         self._detach(ids_P)
         for t in (1, 2):
             self.tiers[t].free(slot_P[tier_P == t])

@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -101,7 +102,8 @@ class OracleScorer:
             if not path.is_file() or ORACLE_COLUMN not in pq.read_schema(path).names:
                 return None
             parts.append(pq.read_table(path, columns=cols))
-        if not parts or any(not str(t.schema.field(user_col).type).startswith("int") for t in parts):
+        # String ids were hashed by prepare: the log's own values would never match the candidates'.
+        if not parts or any(not pa.types.is_integer(t.schema.field(c).type) for t in parts for c in cols[:3]):
             return None
         arrays = [np.concatenate([t.column(c).to_numpy() for t in parts]) for c in cols]
         return OracleScorer(*arrays)

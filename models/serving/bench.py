@@ -4,11 +4,11 @@ What it measures (all side by side in one run, since the machine is shared and n
 
 - p50 / p99 latency and QPS of POST /v1/rank against a real server in a second process on
   loopback (SERVER_WORKERS batch workers of one thread each; history 1,024 events, 1M-item
-  corpus, K=500, N=50; quick: 50k items, 256 events,
-  K=200). Latency is single stream (one request in flight); QPS uses several client threads so
+  corpus, K=500, N=50; quick: 20K items, 128 events,
+  K=100, N=20). Latency is single stream (one request in flight); QPS uses several client threads so
   the server's dynamic batching has something to batch. Each is the median of HTTP_ROUNDS
   rounds against the same server (`*_spread`: median / min / max), since one round's p99 is
-  its second-slowest request of 200 and moved by 1-2 ms between runs. The headline keys serve the int8
+  its third-slowest request of 200 (nearest rank) and moved by 1-2 ms between runs. The headline keys serve the int8
   artifact (what the README exports: its item index is scanned by the native int8 scan);
   fp32_p50_ms, fp32_p99_ms and fp32_qps the fp32 artifact of the same model.
 - M-FALCON (history encoded once, candidates scored in micro-batches against the KV cache) vs

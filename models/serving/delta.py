@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from genrec.data.files import claim_output_dir, directory_identity, publish_dir, sha256_file, staging_dir
+from genrec.data.files import claim_output_dir, publish_dir, sha256_file, staging_dir, unreplaced
 from genrec.models.ids import sorted_positions
 from genrec.models.serving.ann import manifest_entry as ann_manifest_entry
 from genrec.models.serving.artifact import (
@@ -170,30 +170,28 @@ def read_delta(delta_dir: str | Path) -> tuple[dict, dict[str, dict[str, torch.T
     from safetensors.torch import load_file
 
     root = Path(delta_dir)
-    before = directory_identity(root)  # a delta exported over this one meanwhile would mix in
-    path = root / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no delta manifest (is {delta_dir} a delta from `genrec export --delta-since`?)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: manifest is not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != DELTA_FORMAT:
-        raise ValueError(f"{path}: not a {DELTA_FORMAT} manifest")
-    for key, kind in (("version", str), ("base_version", str), ("artifact", dict)):
-        if not isinstance(manifest.get(key), kind):
-            raise ValueError(f"{path}: delta manifest {key!r} must be a {kind.__name__}")
-    verify_files(root, manifest)
-    files = {}
-    for rel in manifest["files"]:
+    with unreplaced(root, "delta"):  # a delta exported over this one meanwhile would mix in
+        path = root / MANIFEST
         try:
-            files[rel] = load_file(str(root / rel))
-        except Exception as e:  # safetensors raises its own error type on malformed headers
-            raise ValueError(f"delta file {rel}: not a readable safetensors file ({e})") from None
-    if directory_identity(root) != before:
-        raise ValueError(f"delta {delta_dir}: the directory was replaced while it was read (an export published "
-                         "over it); apply it again")
-    return manifest, files
+            manifest = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no delta manifest (is {delta_dir} a delta from "
+                             "`genrec export --delta-since`?)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: manifest is not valid JSON ({e})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != DELTA_FORMAT:
+            raise ValueError(f"{path}: not a {DELTA_FORMAT} manifest")
+        for key, kind in (("version", str), ("base_version", str), ("artifact", dict)):
+            if not isinstance(manifest.get(key), kind):
+                raise ValueError(f"{path}: delta manifest {key!r} must be a {kind.__name__}")
+        verify_files(root, manifest)
+        files = {}
+        for rel in manifest["files"]:
+            try:
+                files[rel] = load_file(str(root / rel))
+            except Exception as e:  # safetensors raises its own error type on malformed headers
+                raise ValueError(f"delta file {rel}: not a readable safetensors file ({e})") from None
+        return manifest, files
 
 
 def apply_delta(contents: ArtifactContents, delta_dir: str | Path) -> ArtifactContents:

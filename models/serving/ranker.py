@@ -50,7 +50,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from genrec.data.config import FeatureSpec
-from genrec.data.files import directory_identity
+from genrec.data.files import unreplaced
 from genrec.dense import fused
 from genrec.models.ids import sorted_positions
 from genrec.models.config_loader import from_dict
@@ -566,9 +566,5 @@ def load_artifact(artifact_dir: str | os.PathLike, cfg: ServingConfig | None = N
     Refused if the directory is replaced meanwhile (`genrec export --overwrite` renames the
     new one into place): its files would be read under the manifest verified before."""
     root = Path(artifact_dir)
-    before = directory_identity(root)
-    ranker = Ranker(load_artifact_contents(root), cfg, tower_builder)
-    if directory_identity(root) != before:
-        raise ValueError(f"{root}: the artifact directory was replaced while it was loaded (an export "
-                         "published over it); load it again")
-    return ranker
+    with unreplaced(root, "artifact"):
+        return Ranker(load_artifact_contents(root), cfg, tower_builder)

@@ -156,10 +156,14 @@ def test_sparse_ids_are_large_and_consistent(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(num_users=0), "num_users must be a positive integer"),
-    (dict(num_items=-3), "num_items must be a positive integer"),
-    (dict(num_events=0), "num_events must be a positive integer"),
+    (dict(num_users=0), r"num_users \(--users\) must be a positive integer"),
+    (dict(num_items=-3), r"num_items \(--items\) must be a positive integer"),
+    (dict(num_events=0), r"num_events \(--events\) must be a positive integer"),
     (dict(num_events=5), r"num_events \(5\) must be >= num_users"),
+    (dict(num_events=10**19), r"num_events \(--events\) must be at most 2\*\*62"),  # was an OverflowError
+    (dict(num_items=10**15), r"not enough memory for --users 10 --items 1,000,000,000,000,000"),  # was a MemoryError
+    # Two users of 5e14 events each (one part-file: no cut list to compute).
+    (dict(num_users=2, num_events=10**15, events_per_file=10**15), "not enough memory for --users 2 "),
     (dict(events_per_file=0), "events_per_file"),
     (dict(seed=-1), "seed"),
 ])

@@ -33,6 +33,11 @@ def test_baseline_records_each_figures_spread(baseline):
     assert "dense.jagged_vs_padded" not in baseline["figures"]  # not run: not gated
 
 
+def test_a_baseline_of_an_even_count_of_runs_has_their_median():
+    figure = benchgate.make_baseline([_result(h) for h in (0.5, 0.6, 0.9, 1.0)])["figures"]["sparse.hot_path_ratio"]
+    assert figure["median"] == pytest.approx(0.75) and (figure["min"], figure["max"]) == (0.5, 1.0)
+
+
 def test_the_baseline_runs_pass_and_noise_inside_the_spread_passes(baseline):
     for hot in (0.72, 0.80, 0.48):  # 0.48 is within the margin (35% of the median) below the min
         assert benchgate.check(_result(hot), baseline)[0] == "pass"
@@ -48,11 +53,30 @@ def test_a_figure_that_never_varied_is_held_to_its_target(baseline):
     assert benchgate.check(_result(0.75, index_bytes=12.0), baseline)[0] == "pass"  # within the floor
     verdict, lines = benchgate.check(_result(0.75, index_bytes=20.0), baseline)
     assert verdict == "fail" and any("index_bytes_per_row" in line and "FAIL" in line for line in lines)
+    # Nearer its target, a size that never varied fails as soon as it misses the target (16
+    # bytes), though still inside the regression margin's floor above its baseline (15).
+    near = benchgate.make_baseline([_result(h, index_bytes=15.0) for h in (0.72, 0.75, 0.80)])
+    assert benchgate.check(_result(0.75, index_bytes=16.0), near)[0] == "pass"
+    verdict, lines = benchgate.check(_result(0.75, index_bytes=17.0), near)
+    assert verdict == "fail" and any("index_bytes_per_row" in line and "target lost" in line for line in lines)
 
 
 def test_a_loaded_machine_or_another_cpu_is_inconclusive_not_failed(baseline):
     assert benchgate.check(_result(0.10, load=benchgate.max_load() + 1), baseline)[0] == "inconclusive"
     assert benchgate.check(_result(0.10, cpu="another cpu"), baseline)[0] == "inconclusive"
+
+
+def test_the_same_cpu_model_with_other_vector_flags_is_inconclusive(baseline):
+    """One model name covers hosts with and without AVX-512, whose native kernel builds differ."""
+    def on(flags: list[str], hot: float) -> dict:
+        result = _result(hot, cpu="AMD EPYC")
+        result["conditions"]["cpu"]["flags"] = flags
+        return result
+
+    avx512 = benchgate.make_baseline([on(["avx2", "avx512f", "fma"], h) for h in (0.72, 0.75, 0.80)])
+    assert benchgate.check(on(["fma", "avx2", "avx512f"], 0.10), avx512)[0] == "fail"  # same flags: gated
+    verdict, lines = benchgate.check(on(["avx2", "fma"], 0.10), avx512)
+    assert verdict == "inconclusive" and "avx512f" in lines[0]
 
 
 def test_missing_figures_are_skipped(baseline):

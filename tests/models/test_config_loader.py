@@ -150,3 +150,16 @@ def test_numbers_out_of_range_are_refused_at_load_naming_the_key(override, messa
         load_config(JobConfig, path)
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config(JobConfig, configs[0], [override])
+
+
+def test_min_target_action_without_the_action_feature_is_refused_at_load():
+    """The loader reads only `data.features.sparse`: a threshold on an action column that is
+    not there failed with a bare KeyError('action') at the first training step."""
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "ml100k.toml"  # sparse = ["item_id"]
+    with pytest.raises(ValueError, match=re.escape("model.min_target_action reads each event's action, but "
+                                                   "data.features.action ('action') is not in data.features.sparse")):
+        load_config(JobConfig, config, ["model.min_target_action=4"])
+    cfg = load_config(JobConfig, config, ["model.min_target_action=4", 'data.features.sparse=["item_id", "action"]'])
+    assert cfg.model.min_target_action == 4

@@ -73,3 +73,14 @@ def test_a_cell_shows_the_spread_and_never_invents_a_figure():
     assert figures.cell(record, "rows") == "3.70M"
     assert figures.cell(record, "absent") == "-" and figures.cell(None, "r") == "-"
     assert figures.meets(0.72, ">= 0.8") == ">= 0.8 (missed)" and figures.meets(10.1, "<= 16") == "<= 16 (met)"
+
+
+def test_a_strict_target_is_missed_at_its_bound():
+    assert figures.meets(25.0, "< 25") == "< 25 (missed)" and figures.meets(24.9, "< 25") == "< 25 (met)"
+    assert figures.meets(1.0, "< 1") == "< 1 (missed)" and figures.meets(16.0, "<= 16") == "<= 16 (met)"
+
+
+def test_a_record_taken_on_a_busy_machine_says_so_under_its_table():
+    record = {"conditions": {"load_average_before": [0.9], "load_average_after": [1.2], "git_commit": "abc1234"}}
+    assert "noisy" not in figures.conditions("r", record)
+    assert "taken noisy" in figures.conditions("r", {**record, "taken_noisy": True})

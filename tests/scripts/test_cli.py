@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ML100K = Path("/work/shared/data/ml-100k/u.data")
@@ -61,6 +62,29 @@ def test_demo_checks_its_settings_before_replacing_a_demo(tmp_path):
     result = genrec("demo", "--out", str(demo), "--overwrite", "--steps", "0")
     assert result.returncode == 1 and "train.max_steps" in result.stderr
     assert (demo / "demo_manifest.json").exists()  # the previous demo is still there
+
+
+def test_demo_overwrite_keeps_files_the_demo_did_not_write(tmp_path, monkeypatch):
+    import genrec.data.synth
+    from genrec.scripts.demo import run_demo
+
+    def reached(*args, **kwargs):
+        raise RuntimeError("the demo started over")
+
+    monkeypatch.setattr(genrec.data.synth, "synthesize", reached)  # stop right after the folder is replaced
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    (demo / "demo_manifest.json").write_text(json.dumps({"format": "genrec.demo/1", "steps": 1}))
+    (demo / "logs").mkdir()
+    (demo / ".data.tmp-host-1-abc").mkdir()  # a killed step's staging folder is the demo's own
+    (demo / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"refusing to replace .*notes\.txt"):
+        run_demo(demo, overwrite=True, steps=2)
+    assert (demo / "notes.txt").read_text() == "mine" and (demo / "logs").is_dir()
+    (demo / "notes.txt").unlink()
+    with pytest.raises(RuntimeError, match="started over"):
+        run_demo(demo, overwrite=True, steps=2)
+    assert sorted(p.name for p in demo.iterdir()) == ["demo_manifest.json"]
 
 
 def test_user_errors_exit_nonzero_naming_what_is_wrong(tmp_path):

@@ -123,6 +123,22 @@ def test_click_baselines_score_the_models_candidates_by_ad_rate_and_planted_trut
     assert plain["ranking.click.auc"] == got["ranking.click.auc"]
 
 
+def test_oracle_needs_integer_ids_in_the_log(tmp_path):
+    """A log with the truth column but string item ids (prepare hashes them): no oracle row,
+    rather than an error that stops the whole evaluation."""
+    from genrec.models.evaluation.baselines import OracleScorer
+
+    path = tmp_path / "log.parquet"
+    pq.write_table(pa.table({"user_id": [1, 1], "ts": [10, 20], "item_id": ["ad-a", "ad-b"],
+                             "p_click": pa.array([0.1, 0.2], pa.float32())}), path)
+    manifest = {"sources": [{"path": str(path), "rows": 2}]}
+    assert OracleScorer.from_prepared(manifest, "user_id", "ts", "item_id") is None
+    pq.write_table(pa.table({"user_id": [1, 1], "ts": [10, 20], "item_id": [7, 8],
+                             "p_click": pa.array([0.1, 0.2], pa.float32())}), path)
+    oracle = OracleScorer.from_prepared(manifest, "user_id", "ts", "item_id")
+    assert oracle.probs(torch.tensor([1]), torch.tensor([20]), torch.tensor([8])).tolist() == [[pytest.approx(0.2)]]
+
+
 def test_popularity_has_no_probability_figures_and_slices_have_cis(report):
     got, out = report
     # Popularity's scores are an order: its AUC / GAUC stay, log loss / NE / calibration go,

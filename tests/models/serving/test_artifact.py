@@ -445,7 +445,7 @@ def test_an_artifact_replaced_while_it_loads_is_refused(model_and_items, tmp_pat
         return manifest
 
     monkeypatch.setattr(artifact_module, "verify_artifact", verified_then_replaced)
-    with pytest.raises(ValueError, match="replaced while it was loaded"):
+    with pytest.raises(ValueError, match="replaced while it was read"):
         ranker_module.load_artifact(served)
     monkeypatch.setattr(artifact_module, "verify_artifact", verify)
     assert ranker_module.load_artifact(served).version == "v-test"  # loaded again: one artifact, whole

@@ -298,6 +298,40 @@ def test_two_ranks_equal_one_rank_on_the_same_global_batch(prepared, tmp_path, n
     torch.testing.assert_close(r0["rows"], one["rows"], rtol=1e-4, atol=1e-5)
 
 
+def _draw_shared(rank: int, world_size: int, port: int, cfg_json: str, result_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from genrec.models.build import unwrap
+    from genrec.models.train.distributed import init_distributed, shutdown
+    from genrec.models.train.trainer import Trainer
+
+    cfg = from_dict(JobConfig, json.loads(cfg_json))
+    trainer = Trainer(cfg, init_distributed())
+    model, pools = unwrap(trainer.model), []
+    rows_of = model.item_rows
+    model.item_rows = lambda ids, replicated=False: (pools.append(ids.clone()) if replicated else None,
+                                                      rows_of(ids, replicated))[1]
+    for _, batch in zip(range(3), _all_batches(cfg)):
+        half = batch.batch_size // world_size  # the halves' token counts differ
+        trainer.train_step(_take_rows(batch, slice(rank * half, (rank + 1) * half)))
+    torch.save(pools, f"{result_path}.{rank}")
+    shutdown()
+
+
+def test_shared_negatives_are_one_pool_on_every_rank_under_dropout(prepared, tmp_path):
+    """"shared" is one pool for the global batch, looked up as replicated (its ids counted on
+    rank 0 only). Dropout over each rank's own token count moves each rank's torch RNG its
+    own way, and the ranks drew different pools from the first step on."""
+    cfg = tiny_config(prepared, tmp_path / "run")
+    cfg.model.negatives, cfg.dense.dropout = "shared", 0.2
+    _spawn(_draw_shared, 2, json.dumps(to_dict(cfg)), str(tmp_path / "pools"))
+    r0, r1 = (torch.load(tmp_path / f"pools.{r}") for r in range(2))
+    assert len(r0) == len(r1) == 3
+    for a, b in zip(r0, r1):
+        assert torch.equal(a, b)
+
+
 def _run_training(rank: int, world_size: int, port: int, cfg_json: str, result_path: str | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
