@@ -420,8 +420,9 @@ def synthesize(out_dir: str | os.PathLike, *, num_users: int, num_items: int, nu
         lengths_U = 1 + world_rng.multinomial(num_events - num_users, weights / weights.sum())
         user_ids = _ids(world_rng, num_users, cfg.sparse_ids)
         cum = np.cumsum(lengths_U)
-        # Chunk c holds users [bounds[c], bounds[c+1]): cut where the running count crosses a multiple of events_per_file.
-        cuts = np.searchsorted(cum, np.arange(events_per_file, num_events, events_per_file), "left") + 1
+        # Chunk c holds users [bounds[c], bounds[c+1]): cut after each user whose events reach a multiple of
+        # events_per_file (O(users): a list of the multiples would be O(events / events_per_file)).
+        cuts = np.flatnonzero(np.diff(np.r_[0, cum // events_per_file]) > 0) + 1
         bounds = np.unique(np.r_[0, cuts, num_users])
     except MemoryError as e:
         raise _too_large(e, num_users, num_items, num_events) from None
