@@ -145,8 +145,8 @@ class Trainer:
         self._bind_cores()
         self.num_threads = tc.num_threads or default_threads()
         torch.set_num_threads(self.num_threads)
-        # The same seed on every rank: replicas start equal and draw the same negatives, so
-        # N ranks reproduce one rank's run on the same global batch.
+        # The same seed on every rank: replicas start equal (and "shared" negatives are rank 0's
+        # draw everywhere), so N ranks reproduce one rank's run on the same global batch.
         seed_everything(tc.seed, tc.deterministic)
         self.model, self.store = build_model(cfg, dist_info)
         self.store.defer_row_updates = True  # finished in train_step, after the dense optimizer step
